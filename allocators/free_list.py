@@ -46,7 +46,6 @@ class FreeListAllocator(BlockAllocator):
         if fresh + cow > self.num_free_blocks():
             return None
         table = self._tables.setdefault(seq_id, table)
-        self._num_tokens.setdefault(seq_id, old)
         copies = []
         if cow:
             i = old // bs

@@ -1,0 +1,74 @@
+"""Engine clocks: virtual (replay without sleeping) and wall (real time)."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    """Time as the engine and the metrics see it, in seconds."""
+
+    name: str
+
+    def now(self) -> float: ...
+
+    def after(self, elapsed: float) -> float:
+        """The time ``elapsed`` seconds after the current step began."""
+        ...
+
+    def advance(self, duration: float) -> None:
+        """A step of ``duration`` measured seconds has ended."""
+        ...
+
+    def wait_until(self, t: float) -> None:
+        """Nothing to do until ``t`` (the next arrival)."""
+        ...
+
+
+class VirtualClock:
+    """Advances by each step's measured, synchronised duration; idle gaps are skipped.
+
+    A replay never sleeps, so a trace with long idle gaps runs as fast as the engine does,
+    while TTFT and TPOT still include the real cost of every step.
+    """
+
+    name = "virtual"
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = start
+
+    def now(self) -> float:
+        return self._now
+
+    def after(self, elapsed: float) -> float:
+        return self._now + elapsed
+
+    def advance(self, duration: float) -> None:
+        self._now += duration
+
+    def wait_until(self, t: float) -> None:
+        self._now = max(self._now, t)
+
+
+class WallClock:
+    """Real time since the clock was made; idle gaps are slept through."""
+
+    name = "wall"
+
+    def __init__(self) -> None:
+        self._origin = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._origin
+
+    def after(self, elapsed: float) -> float:
+        return self.now()
+
+    def advance(self, duration: float) -> None:
+        pass
+
+    def wait_until(self, t: float) -> None:
+        delay = t - self.now()
+        if delay > 0:
+            time.sleep(delay)

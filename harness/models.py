@@ -1,0 +1,144 @@
+"""Models the engine runs: seeded random-weight mlx_lm models, or real weights from a path.
+
+Random weights follow vLLM's ``load_format=dummy``: the architecture and the cost are real,
+the tokens are meaningless. The harness measures memory and scheduling, which do not
+depend on what the weights say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.models.cache import KVCache
+
+# Sizes named by configs. "tiny" keeps tests fast on a 2-core CPU; "small" (~32M params)
+# makes the forward dominate in benchmarks without taking hours there.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=704,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    ),
+    "small": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        intermediate_size=1408,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8192,
+    ),
+}
+
+ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass
+class LoadedModel:
+    """An mlx_lm model plus the facts the KV arena and the sampler need."""
+
+    model: nn.Module
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: mx.Dtype
+    tokenizer: Any = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_params(self) -> int:
+        return sum(v.size for _, v in tree_flatten(self.model.parameters()))
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V that one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+
+
+def random_model(
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    **overrides: Any,
+) -> LoadedModel:
+    """Build a seeded random-weight mlx_lm model of a named size (``overrides`` change fields)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"model.arch={arch!r} is unknown: choose one of {ARCHITECTURES}")
+    if size not in SIZES:
+        raise ValueError(f"model.size={size!r} is unknown: choose one of {tuple(SIZES)}")
+    config = {
+        "model_type": arch,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        **SIZES[size],
+        **overrides,
+    }
+    if arch == "llama":
+        from mlx_lm.models import llama as module
+    else:
+        from mlx_lm.models import qwen2 as module
+    model = module.Model(module.ModelArgs.from_dict(config))
+    # Normal weights with std 1/sqrt(fan_in) keep activations O(1) through the layers and give
+    # logits spread widely enough that greedy ties (which would make token-identity tests
+    # depend on rounding) are practically absent.
+    keys = iter(mx.random.split(mx.random.key(seed), len(tree_flatten(model.parameters()))))
+
+    def init(path: str, w: mx.array) -> mx.array:
+        if path.endswith("bias"):
+            return mx.zeros_like(w)
+        if w.ndim == 1:  # norm scales stay at one
+            return w
+        return mx.random.normal(w.shape, key=next(keys)) * (w.shape[-1] ** -0.5)
+
+    model.update(tree_map_with_path(init, model.parameters()))
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return describe(model, name=f"{arch}-{size}-random-seed{seed}")
+
+
+def load_pretrained(path: str) -> LoadedModel:
+    """Load real weights and tokenizer with ``mlx_lm.load`` from a local path."""
+    from mlx_lm import load
+
+    model, tokenizer = load(path)
+    eos = tuple(sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
+    return describe(model, name=path, tokenizer=tokenizer, eos_token_ids=eos)
+
+
+def describe(model: nn.Module, name: str, **extra: Any) -> LoadedModel:
+    """Read the KV geometry of an mlx_lm model; fail clearly if the paged cache cannot run it."""
+    if hasattr(model, "make_cache"):
+        kinds = {type(c).__name__ for c in model.make_cache()}
+        if kinds != {"KVCache"}:
+            raise ValueError(
+                f"model {name!r} needs cache types {sorted(kinds)}; kvbench's paged cache "
+                "implements full attention (KVCache) only, not sliding-window or recurrent layers"
+            )
+    args = model.args
+    heads = args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    attn = model.layers[0].self_attn
+    return LoadedModel(
+        model=model,
+        name=name,
+        num_layers=len(model.layers),
+        num_kv_heads=getattr(args, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab_size=args.vocab_size,
+        dtype=attn.k_proj.weight.dtype,
+        **extra,
+    )
+
+
+def reference_cache(loaded: LoadedModel) -> list[KVCache]:
+    """mlx_lm's own per-layer cache, for comparing the paged engine with the reference."""
+    return [KVCache() for _ in range(loaded.num_layers)]

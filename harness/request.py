@@ -1,0 +1,98 @@
+"""A request's state as it moves through the engine, and the outputs the engine returns."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from harness.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request: its tokens, how many have KV in the arena, and its timeline.
+
+    ``token_ids`` is prompt + output. The last sampled token has no KV yet, so a running
+    sequence in decode has ``num_computed_tokens == len(token_ids) - 1`` and computes one
+    token per step; a prefill (or a recompute after preemption) computes the rest.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    rng: np.random.Generator | None = None
+    ttft_slo: float | None = None
+    tpot_slo: float | None = None
+    num_prompt_tokens: int = 0
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit at the first admission
+    preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    abort_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (kvbench samples one per request)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLMEngine.step`` returns for each request that made progress or finished."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    abort_reason: str | None = None

@@ -13,6 +13,7 @@ regions first fit, as CortexStream's linear scan does::
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Iterable
 
 from allocators.base import BlockAllocator, blocks_for
@@ -37,17 +38,17 @@ class RegionAllocator(BlockAllocator):
         """Blocks to reserve for a table of ``table_blocks`` blocks (0: no region)."""
         return table_blocks
 
+    @abstractmethod
     def _place(self, size: int) -> int | None:
         """Reserve a free region of ``size`` blocks and return its start, or ``None``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _extend(self, start: int, size: int, new_size: int) -> bool:
         """Reserve the blocks after a region so it becomes ``new_size`` long, if free."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _give_back(self, start: int, size: int) -> None:
         """Return blocks that nobody holds any more to the free structures."""
-        raise NotImplementedError
 
     def _shrink(self, start: int, size: int, new_size: int) -> None:
         self._release(start + new_size, size - new_size)
@@ -151,6 +152,7 @@ class ContiguousAllocator(RegionAllocator):
     def _region_size(self, table_blocks: int) -> int:
         return max(table_blocks, self._reserve_blocks)
 
+    @abstractmethod
     def _place(self, size: int) -> int | None:
         start = self._is_free.find(b"\x01" * size)
         if start < 0:
@@ -158,6 +160,7 @@ class ContiguousAllocator(RegionAllocator):
         self._is_free[start : start + size] = bytes(size)
         return start
 
+    @abstractmethod
     def _extend(self, start: int, size: int, new_size: int) -> bool:
         end = start + new_size
         if end > self.num_blocks or 0 in self._is_free[start + size : end]:
@@ -165,6 +168,7 @@ class ContiguousAllocator(RegionAllocator):
         self._is_free[start + size : end] = bytes(new_size - size)
         return True
 
+    @abstractmethod
     def _give_back(self, start: int, size: int) -> None:
         self._is_free[start : start + size] = b"\x01" * size
 

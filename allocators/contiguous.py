@@ -152,7 +152,6 @@ class ContiguousAllocator(RegionAllocator):
     def _region_size(self, table_blocks: int) -> int:
         return max(table_blocks, self._reserve_blocks)
 
-    @abstractmethod
     def _place(self, size: int) -> int | None:
         start = self._is_free.find(b"\x01" * size)
         if start < 0:
@@ -160,7 +159,6 @@ class ContiguousAllocator(RegionAllocator):
         self._is_free[start : start + size] = bytes(size)
         return start
 
-    @abstractmethod
     def _extend(self, start: int, size: int, new_size: int) -> bool:
         end = start + new_size
         if end > self.num_blocks or 0 in self._is_free[start + size : end]:
@@ -168,7 +166,6 @@ class ContiguousAllocator(RegionAllocator):
         self._is_free[start + size : end] = bytes(new_size - size)
         return True
 
-    @abstractmethod
     def _give_back(self, start: int, size: int) -> None:
         self._is_free[start : start + size] = b"\x01" * size
 

@@ -1,0 +1,224 @@
+"""The engine against mlx_lm itself: same random model, same tokens, same logits.
+
+Every allocator x block sizes 1, 16, 256 x batch 1 and 8 x prompts of 1 to 300 tokens.
+The reference is mlx_lm's own single-sequence ``generate_step`` over its ``KVCache``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import harness  # noqa: F401  (BLAS switch before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from allocators.buddy import BuddyAllocator
+from allocators.contiguous import ContiguousAllocator
+from allocators.free_list import FreeListAllocator
+from allocators.radix import RadixAllocator
+from harness.engine import LLMEngine, RequestError
+from harness.kv_cache import KVArena
+from harness.model_runner import ModelRunner, Row
+from harness.models import random_model
+from harness.sampling import SamplingParams
+from schedulers.fcfs import FCFSScheduler
+
+ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAllocator]
+PROMPT_LENS = [1, 7, 16, 17, 63, 128, 255, 300]
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("llama", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(1, 1024, n).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    """mlx_lm's greedy tokens for each prompt."""
+    out = []
+    for p in prompts:
+        steps = generate_step(mx.array(p), model.model, max_tokens=MAX_TOKENS)
+        out.append([int(tok) for tok, _ in steps])
+    return out
+
+
+def make_engine(model, allocator, *, block_size, num_blocks, max_num_seqs=8, **alloc_kwargs):
+    return LLMEngine.build(
+        model,
+        partial(allocator, **alloc_kwargs),
+        partial(FCFSScheduler, max_num_seqs=max_num_seqs),
+        block_size=block_size,
+        num_blocks=num_blocks,
+    )
+
+
+def assert_all_free(engine):
+    engine.allocator.check()
+    stats = engine.allocator.stats()
+    assert stats.used_blocks == 0
+    assert stats.free_blocks + stats.cached_blocks == stats.num_blocks
+
+
+def blocks_needed(block_size: int) -> int:
+    return sum(-(-(n + MAX_TOKENS) // block_size) for n in PROMPT_LENS)
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_tokens_identical_to_mlx_lm(model, prompts, reference, allocator, block_size, batch):
+    # Room for every sequence at once, with slack so regions can relocate instead of failing.
+    num_blocks = 2 * blocks_needed(block_size) + 8
+    engine = make_engine(
+        model, allocator, block_size=block_size, num_blocks=num_blocks, max_num_seqs=batch
+    )
+    outputs = engine.generate(prompts, GREEDY)
+    for out, ref in zip(outputs, reference, strict=True):
+        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].finish_reason == "length"
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_teacher_forced_logits_match(model, prompts, allocator, block_size):
+    """Prefill in two chunks (the second continues the cached prefix), then compare the
+    logits at every position with mlx_lm's full forward, in fp32 within 1e-4."""
+    alloc = allocator(num_blocks=blocks_needed(block_size) * 2 + 8, block_size=block_size)
+    arena = KVArena(
+        num_layers=model.num_layers,
+        num_blocks=alloc.num_blocks,
+        block_size=block_size,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+    )
+    runner = ModelRunner(model, arena, contiguous_reads=alloc.contiguous_tables)
+    cuts = [max(1, n // 3) for n in PROMPT_LENS]
+    got: list[list[mx.array]] = [[] for _ in prompts]
+    for lo_of, hi_of in [(lambda i: 0, lambda i: cuts[i]), (lambda i: cuts[i], lambda i: None)]:
+        rows, owners = [], []
+        for i, p in enumerate(prompts):
+            lo, hi = lo_of(i), hi_of(i) or len(p)
+            if hi <= lo:
+                continue
+            allocation = alloc.allocate(str(i), hi)
+            runner.copy_blocks(allocation.copies)
+            rows.append(Row(p[lo:hi], lo, allocation.block_table, num_logits=hi - lo))
+            owners.append((i, hi - lo))
+        logits = runner.forward(rows).logits
+        k = 0
+        for i, n in owners:
+            got[i].append(logits[k : k + n])
+            k += n
+    for i, p in enumerate(prompts):
+        ref = model.model(mx.array([p]))[0]
+        assert mx.abs(mx.concatenate(got[i]) - ref).max().item() < 1e-4, PROMPT_LENS[i]
+        alloc.free(str(i))
+    alloc.check()
+
+
+def test_prefix_cache_hit_gives_same_tokens(model, prompts, reference):
+    engine = make_engine(model, RadixAllocator, block_size=16, num_blocks=256)
+    engine.generate([prompts[7]], GREEDY)  # 300 tokens: 18 full blocks get cached
+    again = engine.generate([prompts[7]], GREEDY)[0]
+    assert again.outputs[0].token_ids == reference[7]
+    cached = engine.recorder.requests[-1]["cached_tokens"]
+    assert cached == 288  # 18 blocks; the last token (and its block tail) recomputed
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize(
+    "allocator", [ContiguousAllocator, BuddyAllocator], ids=lambda c: c.__name__
+)
+def test_region_allocators_relocate_and_stay_identical(model, prompts, reference, allocator):
+    # Tight arena: neighbours block each other's growth, so regions must move.
+    engine = make_engine(model, allocator, block_size=1, num_blocks=blocks_needed(1) + 64)
+    outputs = engine.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert engine.allocator.stats().relocations > 0
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)
+def test_preemption_under_a_tiny_arena_loses_nothing(model, allocator):
+    # Eight 60-token prompts fill 32 of 34 blocks at admission; their decodes then cross
+    # into a fifth block each, which only two of them can get: the rest are preempted.
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, 1024, 60).tolist() for _ in range(8)]
+    reference = [
+        [int(t) for t, _ in generate_step(mx.array(p), model.model, max_tokens=MAX_TOKENS)]
+        for p in prompts
+    ]
+    engine = make_engine(model, allocator, block_size=16, num_blocks=34)
+    outputs = engine.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert sum(r["preemptions"] for r in engine.recorder.requests) > 0
+    assert_all_free(engine)
+
+
+def test_decode_crosses_block_boundaries(model):
+    # 14-token prompt, 10 new tokens, block size 4: the table grows mid-decode 3 times.
+    prompt = list(range(3, 17))
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model.model, max_tokens=10)]
+    engine = make_engine(model, FreeListAllocator, block_size=4, num_blocks=16)
+    assert engine.generate([prompt], GREEDY)[0].outputs[0].token_ids == ref
+
+
+def test_seeded_sampling_is_reproducible(model, prompts):
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=8, seed=s, ignore_eos=True)
+        for s in (1, 2, 1)
+    ]
+    picks = prompts[1:4]
+
+    def run(batch):
+        engine = make_engine(
+            model, FreeListAllocator, block_size=16, num_blocks=128, max_num_seqs=batch
+        )
+        return [o.outputs[0].token_ids for o in engine.generate(picks, params)]
+
+    together, alone = run(8), run(1)
+    assert together == alone  # a request's tokens do not depend on its batch
+    assert together[0] != together[1]
+
+
+def test_abort_frees_blocks_at_once(model, prompts):
+    engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=128)
+    engine.add_request("a", prompts[6], GREEDY)
+    engine.add_request("b", prompts[7], GREEDY)
+    engine.step()
+    assert engine.allocator.stats().used_blocks > 0
+    engine.abort_request("a")
+    engine.abort_request("b")
+    assert_all_free(engine)
+    outs = engine.step()
+    assert {o.request_id: o.outputs[0].finish_reason for o in outs} == {"a": "abort", "b": "abort"}
+    assert not engine.has_unfinished_requests()
+
+
+def test_prompt_that_can_never_fit_is_aborted_with_a_reason(model, prompts):
+    engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=8)  # 128 slots
+    outs = engine.generate([prompts[7], prompts[1]], GREEDY)
+    assert outs[0].outputs[0].finish_reason == "abort"
+    assert "KV arena" in outs[0].abort_reason
+    assert outs[1].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [([], "empty"), ([5, 99999], "outside the vocabulary"), ("text", "tokenizer")],
+)
+def test_bad_requests_name_the_problem(model, prompt, match):
+    engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=8)
+    with pytest.raises(RequestError, match=match):
+        engine.add_request("x", prompt, GREEDY)

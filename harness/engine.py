@@ -189,7 +189,7 @@ class LLMEngine:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         ids = [f"gen-{self._num_added + i}" for i in range(len(prompts))]
-        for rid, prompt, params in zip(ids, prompts, sampling_params):
+        for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
             self.add_request(rid, prompt, params)
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests() or self._pending:
@@ -231,7 +231,7 @@ class LLMEngine:
             return []
         sampled = sample(logits, [self._sample_row(seq) for seq in to_sample])
         outputs = []
-        for seq, pick in zip(to_sample, sampled):
+        for seq, pick in zip(to_sample, sampled, strict=True):
             seq.token_ids.append(pick.token)
             seq.token_times.append(now)
             if seq.first_token_time is None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from functools import partial
 
-import harness  # noqa: F401  (BLAS switch before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
+import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator

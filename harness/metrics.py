@@ -1,0 +1,302 @@
+"""Per-request and per-step result tables, and the run summary computed from them alone.
+
+Latency definitions follow vLLM's ``bench serve``; the KV-memory breakdown follows the vLLM
+paper (Kwon et al., SOSP 2023, Fig. 2): token states, reserved for future tokens, internal
+and external fragmentation. All times are seconds on the run's clock (``virtual`` or
+``wall``), which the summary records.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+
+class MetricsError(ValueError):
+    """A result table that does not match its schema; the message names row and column."""
+
+
+# Column name -> kind. "float" columns hold NaN for "not applicable" (e.g. no SLO, or an
+# aborted request that never got a first token).
+REQUEST_SCHEMA: dict[str, str] = {
+    "request_id": "str",
+    "priority": "int",
+    "arrival_time": "float",
+    "first_scheduled_time": "float",
+    "first_token_time": "float",
+    "finish_time": "float",
+    "prompt_tokens": "int",
+    "output_tokens": "int",
+    "cached_tokens": "int",  # prefix-cache hit tokens at the first admission
+    "preemptions": "int",
+    "finish_reason": "str",  # one of FINISH_REASONS
+    "abort_reason": "str|None",
+    "ttft_slo": "float",
+    "tpot_slo": "float",
+    "token_times": "list[float]",  # when each output token was produced (for ITL)
+    "spec_proposed": "int",
+    "spec_accepted": "int",
+}
+STEP_SCHEMA: dict[str, str] = {
+    "step": "int",
+    "start_time": "float",
+    "duration": "float",  # the whole step, scheduling included
+    "forward_time": "float",  # the synchronised model forward
+    "batch_size": "int",
+    "prefill_tokens": "int",
+    "decode_tokens": "int",
+    "preempted": "int",
+    "num_waiting": "int",
+    "num_running": "int",
+    "num_swapped": "int",
+    "blocks_used": "int",
+    "blocks_free": "int",
+    "blocks_cached": "int",
+    "slots_tokens": "int",  # KV slots holding token states
+    "slots_future": "int",  # allocated for tokens still to come (within prompt+max_tokens)
+    "slots_internal": "int",  # allocated but never to be used (block/region slack)
+    "slots_external": "int",  # free but unusable: external_fragmentation * free slots
+    "slots_total": "int",  # arena slots
+    "external_fragmentation": "float",
+    "mlx_active_bytes": "int",
+    "mlx_peak_bytes": "int",
+    "spec_proposed": "int",
+    "spec_accepted": "int",
+}
+REQUEST_COLUMNS: tuple[str, ...] = tuple(REQUEST_SCHEMA)
+STEP_COLUMNS: tuple[str, ...] = tuple(STEP_SCHEMA)
+FINISH_REASONS = ("stop", "length", "abort")
+CLOCKS = ("virtual", "wall")
+
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+STATS = ("mean", "p50", "p90", "p99")
+KV_PARTS = ("tokens", "future", "internal", "external", "free")
+SUMMARY_KEYS: tuple[str, ...] = (
+    *(f"{m}_{s}" for m in LATENCIES for s in STATS),
+    "duration",
+    "completed",
+    "aborted",
+    "output_throughput",
+    "total_token_throughput",
+    "request_throughput",
+    "goodput",
+    *(f"kv_{p}_frac_{agg}" for agg in ("mean", "peak") for p in KV_PARTS),
+    "kv_utilisation",
+    "blocks_used_peak",
+    "blocks_used_mean",
+    "external_fragmentation_mean",
+    "prefix_hit_rate",
+    "preemptions",
+    "spec_acceptance_rate",
+    "spec_accepted_per_step",
+    "mlx_peak_bytes",
+    "num_steps",
+    "clock",
+)
+
+
+def _is_missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+# Validators and normalisers of the non-numeric kinds, applied value by value. pandas may
+# store a missing string as NaN and parquet returns lists as numpy arrays; the tables' own
+# conventions are None and list[float].
+_OBJECT_KINDS = {
+    "str": (lambda v: isinstance(v, str), lambda v: v),
+    "str|None": (lambda v: _is_missing(v) or isinstance(v, str), lambda v: v),
+    "list[float]": (
+        lambda v: isinstance(v, (list, tuple, np.ndarray)),
+        lambda v: [float(x) for x in v],
+    ),
+}
+
+
+def _coerce(col: pd.Series, kind: str, where: str) -> pd.Series:
+    if kind in ("int", "float"):
+        num = pd.to_numeric(col, errors="coerce")
+        bad = num.isna() & col.notna() if kind == "float" else num.isna() | (num % 1 != 0)
+        if not bad.any():
+            return num.astype("int64" if kind == "int" else "float64")
+    else:
+        valid, normalise = _OBJECT_KINDS[kind]
+        bad = pd.Series([not valid(v) for v in col], index=col.index, dtype=bool)
+        if not bad.any():
+            values = [None if _is_missing(v) else normalise(v) for v in col]
+            return pd.Series(values, index=col.index, name=col.name, dtype=object)
+    row = int(np.flatnonzero(bad.to_numpy())[0])
+    raise MetricsError(
+        f"{where} row {row}: column '{col.name}' must be {kind}, got {col.iloc[row]!r}"
+    )
+
+
+def _frame(rows: Iterable[Mapping[str, Any]] | pd.DataFrame, schema: dict[str, str], table: str):
+    if isinstance(rows, pd.DataFrame):
+        df = rows.reset_index(drop=True)
+    else:
+        rows = list(rows)
+        df = pd.DataFrame(rows) if rows else pd.DataFrame({c: [] for c in schema})
+    missing = [c for c in schema if c not in df.columns]
+    if missing:
+        raise MetricsError(f"{table} table: missing column(s) {missing}; record every column")
+    out = pd.DataFrame({c: _coerce(df[c], kind, f"{table} table") for c, kind in schema.items()})
+    extra = [c for c in df.columns if c not in schema]  # kept: recorders may add diagnostics
+    return pd.concat([out, df[extra]], axis=1) if extra else out
+
+
+def requests_frame(rows: Iterable[Mapping[str, Any]] | pd.DataFrame) -> pd.DataFrame:
+    """Validate request rows (dicts, or a frame read back from parquet) into a typed frame.
+
+    Raises ``MetricsError`` naming a missing column, or the row and column of a bad value.
+    Columns not in ``REQUEST_COLUMNS`` are kept after them.
+    """
+    df = _frame(rows, REQUEST_SCHEMA, "requests")
+    bad = ~df["finish_reason"].isin(FINISH_REASONS)
+    bad |= df["token_times"].map(len) != df["output_tokens"]
+    if bad.any():
+        row = int(np.flatnonzero(bad.to_numpy())[0])
+        raise MetricsError(
+            f"requests table row {row}: finish_reason must be one of {FINISH_REASONS} and "
+            f"token_times must hold output_tokens times; got {df.loc[row, 'finish_reason']!r}, "
+            f"{len(df.loc[row, 'token_times'])} times for {df.loc[row, 'output_tokens']} tokens"
+        )
+    return df
+
+
+def steps_frame(rows: Iterable[Mapping[str, Any]] | pd.DataFrame) -> pd.DataFrame:
+    """Validate step rows into a typed frame (errors as in ``requests_frame``)."""
+    return _frame(rows, STEP_SCHEMA, "steps")
+
+
+def _stats(name: str, values: Iterable[float]) -> dict[str, float]:
+    arr = np.asarray(list(values), dtype=np.float64)
+    if arr.size == 0:
+        return {f"{name}_{s}": math.nan for s in STATS}
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])  # linear interpolation, as vLLM
+    return {
+        f"{name}_mean": float(arr.mean()),
+        f"{name}_p50": float(p50),
+        f"{name}_p90": float(p90),
+        f"{name}_p99": float(p99),
+    }
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den > 0 else math.nan
+
+
+def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dict[str, Any]:
+    """The run's figures (keys ``SUMMARY_KEYS``), computed only from the two tables.
+
+    Latencies (s) over completed requests (finish_reason != 'abort'): TTFT = first token -
+    arrival; TPOT = (E2E - TTFT) / (output_tokens - 1), only requests with > 1 output token;
+    ITL = every gap between consecutive token_times, pooled; E2E = finish - arrival. Each as
+    mean/p50/p90/p99, NaN when empty. duration = last finish - first arrival (all requests);
+    throughputs and goodput count completed requests per second of it. Goodput counts
+    completed requests meeting every SLO they have (TPOT of a 1-token request is 0, as in
+    vLLM). KV fractions are of ``slots_total``, averaged over steps (``_mean``) and at the
+    step with the most allocated slots (tokens+future+internal; ``_peak``); kv_utilisation
+    = sum tokens / sum allocated. prefix_hit_rate and preemptions use all requests; spec
+    figures come from the steps (accepted per step counts only steps that proposed drafts).
+    """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+    req, st = requests_frame(requests), steps_frame(steps)
+    done = req[req["finish_reason"] != "abort"]
+    ttft = done["first_token_time"] - done["arrival_time"]
+    multi = done["output_tokens"] > 1
+    tpot = (done["finish_time"] - done["first_token_time"]) / (done["output_tokens"] - 1)
+    itl = [g for times in done["token_times"] for g in np.diff(times)]
+    out: dict[str, Any] = {}
+    out.update(_stats("ttft", ttft.dropna()))
+    out.update(_stats("tpot", tpot[multi].dropna()))
+    out.update(_stats("itl", itl))
+    out.update(_stats("e2e", (done["finish_time"] - done["arrival_time"]).dropna()))
+
+    duration = req["finish_time"].max() - req["arrival_time"].min() if len(req) else math.nan
+    per_s = 1.0 / duration if duration > 0 else math.nan
+    ttft_ok = done["ttft_slo"].isna() | (ttft <= done["ttft_slo"])
+    tpot_ok = done["tpot_slo"].isna() | (tpot.where(multi, 0.0) <= done["tpot_slo"])
+    out.update(
+        duration=float(duration),
+        completed=len(done),
+        aborted=len(req) - len(done),
+        output_throughput=done["output_tokens"].sum() * per_s,
+        total_token_throughput=(done["prompt_tokens"].sum() + done["output_tokens"].sum()) * per_s,
+        request_throughput=len(done) * per_s,
+        goodput=int((ttft_ok & tpot_ok).sum()) * per_s,
+    )
+
+    total = st["slots_total"].where(st["slots_total"] > 0).astype(np.float64)
+    parts = {p: st[f"slots_{p}"] for p in KV_PARTS[:-1]}
+    parts["free"] = st["slots_total"] - sum(parts.values())
+    allocated = parts["tokens"] + parts["future"] + parts["internal"]
+    peak = int(np.argmax(allocated.to_numpy())) if len(st) else None
+    for p, slots in parts.items():
+        out[f"kv_{p}_frac_mean"] = float((slots / total).mean())
+        out[f"kv_{p}_frac_peak"] = (
+            math.nan if peak is None else float(slots.iloc[peak] / total.iloc[peak])
+        )
+    spec_steps = int((st["spec_proposed"] > 0).sum())
+    out.update(
+        kv_utilisation=_ratio(parts["tokens"].sum(), allocated.sum()),
+        blocks_used_peak=float(st["blocks_used"].max()) if len(st) else math.nan,
+        blocks_used_mean=float(st["blocks_used"].mean()),
+        external_fragmentation_mean=float(st["external_fragmentation"].mean()),
+        prefix_hit_rate=_ratio(req["cached_tokens"].sum(), req["prompt_tokens"].sum()),
+        preemptions=int(req["preemptions"].sum()),
+        spec_acceptance_rate=_ratio(st["spec_accepted"].sum(), st["spec_proposed"].sum()),
+        spec_accepted_per_step=_ratio(st["spec_accepted"].sum(), spec_steps),
+        mlx_peak_bytes=float(st["mlx_peak_bytes"].max()) if len(st) else math.nan,
+        num_steps=len(st),
+        clock=clock,
+    )
+    # Plain Python scalars, in SUMMARY_KEYS order, so summary.json is stable and diffable.
+    return {k: out[k].item() if isinstance(out[k], np.generic) else out[k] for k in SUMMARY_KEYS}
+
+
+def _num(value: float, scale: float = 1.0, digits: int = 2) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value * scale:,.{digits}f}"
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """A compact two-column table (metric, value with unit) for the end of a run."""
+    s = summary
+    rows = [
+        (
+            f"{m.upper()} ({s['clock']} clock)",
+            " / ".join(_num(s[f"{m}_{q}"], 1e3) for q in STATS) + " ms  (mean/p50/p90/p99)",
+        )
+        for m in LATENCIES
+    ]
+    rows += [
+        ("Duration", f"{_num(s['duration'])} s"),
+        ("Requests completed / aborted", f"{s['completed']} / {s['aborted']}"),
+        ("Output throughput", f"{_num(s['output_throughput'])} tok/s"),
+        ("Total token throughput", f"{_num(s['total_token_throughput'])} tok/s"),
+        ("Request throughput", f"{_num(s['request_throughput'], digits=3)} req/s"),
+        ("Goodput (SLOs met)", f"{_num(s['goodput'], digits=3)} req/s"),
+    ]
+    for agg in ("mean", "peak"):
+        parts = " ".join(f"{p} {_num(s[f'kv_{p}_frac_{agg}'], 100, 1)}%" for p in KV_PARTS)
+        rows.append((f"KV slots ({agg})", parts))
+    rows += [
+        ("KV utilisation (tokens/allocated)", f"{_num(s['kv_utilisation'], 100, 1)} %"),
+        (
+            "Blocks used peak / mean",
+            f"{_num(s['blocks_used_peak'], digits=0)} / {_num(s['blocks_used_mean'], digits=1)}",
+        ),
+        ("External fragmentation (mean)", f"{_num(s['external_fragmentation_mean'], 100, 1)} %"),
+        ("Prefix hit rate", f"{_num(s['prefix_hit_rate'], 100, 1)} %"),
+        ("Preemptions", str(s["preemptions"])),
+        ("Spec acceptance rate", f"{_num(s['spec_acceptance_rate'], 100, 1)} %"),
+        ("Spec accepted tokens / spec step", _num(s["spec_accepted_per_step"])),
+        ("MLX peak memory", f"{_num(s['mlx_peak_bytes'], 2.0**-20, 1)} MiB"),
+        ("Engine steps", str(s["num_steps"])),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

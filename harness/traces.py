@@ -128,7 +128,7 @@ def _parse(obj: Any, where: str) -> TraceRequest:
         raise fail("prompt_token_ids", "is empty; a request needs at least one prompt token")
     for j, tok in enumerate(ids):
         if not _is_int(tok) or tok < 0:
-            raise fail("prompt_token_ids", f"[{j}] is {tok!r}; token ids are integers >= 0")
+            raise fail(f"prompt_token_ids[{j}]", f"is {tok!r}; token ids are integers >= 0")
     if not _is_int(obj["max_tokens"]) or obj["max_tokens"] < 1:
         raise fail("max_tokens", f"is {obj['max_tokens']!r}; it must be an integer >= 1")
     priority = obj.get("priority")

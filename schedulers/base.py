@@ -27,10 +27,15 @@ class Preemption(enum.Enum):
 
 @dataclass(frozen=True)
 class Scheduled:
-    """A sequence that runs this step, computing ``num_new_tokens`` from its computed prefix."""
+    """A sequence that runs this step, computing ``num_new_tokens`` from its computed prefix.
+
+    ``num_draft_tokens > 0`` marks a speculative verification: the last ``num_draft_tokens``
+    of the ``num_new_tokens`` slots are a draft model's proposals, not yet in ``seq``.
+    """
 
     seq: Sequence
     num_new_tokens: int
+    num_draft_tokens: int = 0
 
 
 @dataclass

@@ -98,10 +98,6 @@ class BlockAllocator(ABC):
     memory is a value (``allocate``/``fork`` return ``None`` and change nothing).
     """
 
-    #: True when every block table is a run of consecutive block ids, so the engine may
-    #: read a sequence's KV with a slice instead of a gather.
-    contiguous_tables: bool = False
-
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = _check_count("num_blocks", num_blocks, 1)
         self.block_size = _check_count("block_size", block_size, 1)

@@ -28,8 +28,6 @@ class RegionAllocator(BlockAllocator):
     and reports them as copies. Subclasses place and release regions.
     """
 
-    contiguous_tables = True
-
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
         self._region: dict[str, tuple[int, int]] = {}  # seq -> (start, size)

@@ -64,9 +64,7 @@ class LLMEngine:
             head_dim=model.head_dim,
             dtype=model.dtype,
         )
-        self.runner = ModelRunner(
-            model, self.arena, contiguous_reads=getattr(allocator, "contiguous_tables", False)
-        )
+        self.runner = ModelRunner(model, self.arena)
         self.recorder = Recorder(allocator, self.arena, enabled=record)
         self._lock = threading.RLock()
         self._requests: dict[str, Seq] = {}

@@ -42,12 +42,9 @@ class ForwardResult:
 class ModelRunner:
     """Owns MLX for one model and its arena: applies block copies, runs forwards."""
 
-    def __init__(self, loaded: LoadedModel, arena: KVArena, *, contiguous_reads: bool = False):
+    def __init__(self, loaded: LoadedModel, arena: KVArena):
         self.loaded = loaded
         self.arena = arena
-        # The contiguous and buddy allocators hand out runs of consecutive blocks: read them
-        # with slices instead of a gather (one of the differences the harness measures).
-        self.contiguous_reads = contiguous_reads
         self.body, self.head = _split_head(loaded.model)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -80,16 +77,13 @@ class ModelRunner:
         inputs = np.zeros((len(rows), width), dtype=np.int32)
         for b, r in enumerate(rows):
             inputs[b, : len(r.tokens)] = r.tokens
-        contiguous = self.contiguous_reads and all(
-            r.table[-1] - r.table[0] == len(r.table) - 1 for r in rows
-        )
         layout = BatchLayout.build(
             [r.table for r in rows],
             [r.start for r in rows],
             [len(r.tokens) for r in rows],
             block_size=self.arena.block_size,
             scratch_block=self.arena.scratch_block,
-            contiguous=contiguous,
+            num_kv_heads=self.loaded.num_kv_heads,
         )
         picks = [
             b * width + len(r.tokens) - r.num_logits + j

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
@@ -102,7 +101,7 @@ def test_teacher_forced_logits_match(model, prompts, allocator, block_size):
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
     )
-    runner = ModelRunner(model, arena, contiguous_reads=alloc.contiguous_tables)
+    runner = ModelRunner(model, arena)
     cuts = [max(1, n // 3) for n in PROMPT_LENS]
     got: list[list[mx.array]] = [[] for _ in prompts]
     for lo_of, hi_of in [(lambda i: 0, lambda i: cuts[i]), (lambda i: cuts[i], lambda i: None)]:

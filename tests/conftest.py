@@ -1,0 +1,3 @@
+"""Shared test set-up."""
+
+import harness  # noqa: F401  (first: switches MLX to MKL before any test imports mlx)

@@ -134,7 +134,9 @@ def _coerce(col: pd.Series, kind: str, where: str) -> pd.Series:
     )
 
 
-def _frame(rows: Iterable[Mapping[str, Any]] | pd.DataFrame, schema: dict[str, str], table: str):
+def _frame(
+    rows: Iterable[Mapping[str, Any]] | pd.DataFrame, schema: dict[str, str], table: str
+) -> pd.DataFrame:
     if isinstance(rows, pd.DataFrame):
         df = rows.reset_index(drop=True)
     else:
@@ -155,15 +157,17 @@ def requests_frame(rows: Iterable[Mapping[str, Any]] | pd.DataFrame) -> pd.DataF
     Columns not in ``REQUEST_COLUMNS`` are kept after them.
     """
     df = _frame(rows, REQUEST_SCHEMA, "requests")
-    bad = ~df["finish_reason"].isin(FINISH_REASONS)
-    bad |= df["token_times"].map(len) != df["output_tokens"]
-    if bad.any():
-        row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise MetricsError(
-            f"requests table row {row}: finish_reason must be one of {FINISH_REASONS} and "
-            f"token_times must hold output_tokens times; got {df.loc[row, 'finish_reason']!r}, "
-            f"{len(df.loc[row, 'token_times'])} times for {df.loc[row, 'output_tokens']} tokens"
-        )
+    reason_ok = df["finish_reason"].isin(FINISH_REASONS)
+    times_ok = df["token_times"].map(len) == df["output_tokens"]
+    checks = [
+        (~reason_ok, f"finish_reason must be one of {FINISH_REASONS}"),
+        (~times_ok, "token_times needs one time per output token"),
+    ]
+    for bad, rule in checks:
+        if bad.any():
+            row = int(np.flatnonzero(bad.to_numpy())[0])
+            got = {c: df.at[row, c] for c in ("finish_reason", "output_tokens", "token_times")}
+            raise MetricsError(f"requests table row {row}: {rule}; got {got}")
     return df
 
 

@@ -109,8 +109,9 @@ def _parse(obj: Any, where: str) -> TraceRequest:
 
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected an object with fields {list(_FIELDS)}")
-    for name in sorted(set(obj) - set(_FIELDS)):
-        raise fail(name, f"is unknown; remove it or rename it to one of {list(_FIELDS)}")
+    unknown = sorted(set(obj) - set(_FIELDS))
+    if unknown:
+        raise fail(unknown[0], f"is unknown; remove it or rename it to one of {list(_FIELDS)}")
     for name in _REQUIRED:
         if obj.get(name) is None:
             raise fail(name, "is missing; every request needs it")
@@ -183,9 +184,10 @@ def load(path: str | os.PathLike) -> Trace:
     """Read a ``.jsonl`` or ``.parquet`` trace, validating every request.
 
     The metadata header is optional (a hand-written file has none); ``max_prefix_hit_rate``
-    is computed when absent. Requests must already be sorted by arrival: a replay must be
-    exactly the file, so an unsorted file is an error naming the first out-of-order record
-    rather than being silently reordered (which would change who counts as earlier).
+    is recomputed from the requests, so it always describes what will be replayed. Requests
+    must already be sorted by arrival: a replay must be exactly the file, so an unsorted file
+    is an error naming the first out-of-order record rather than being silently reordered
+    (which would change who counts as earlier).
     """
     path = Path(path)
     readers = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
@@ -211,7 +213,7 @@ def load(path: str | os.PathLike) -> Trace:
             )
         first_seen[req.request_id] = where
         requests.append(req)
-    metadata.setdefault("max_prefix_hit_rate", max_prefix_hit_rate(requests))
+    metadata["max_prefix_hit_rate"] = max_prefix_hit_rate(requests)
     return Trace(tuple(requests), metadata)
 
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from allocators.base import BlockAllocator
 from harness.clock import Clock, VirtualClock
@@ -24,6 +25,7 @@ from harness.recorder import Recorder
 from harness.request import CompletionOutput, RequestOutput, Status
 from harness.request import Sequence as Seq
 from harness.sampling import SampleRow, SamplingParams, make_rng, sample
+from harness.speculative import Proposal, build_proposer, verify
 from schedulers.base import Scheduler, SchedulerOutput
 
 # MLX's CPU allocator keeps only 32 MiB of freed buffers by default, so per-step gathers
@@ -66,6 +68,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.arena)
         self.recorder = Recorder(allocator, self.arena, enabled=record)
+        self.proposer = build_proposer(model, scheduler)  # None unless the policy speculates
+        self._proposals: dict[Seq, Proposal] = {}  # this step's drafts, from _rows to _postprocess
         self._lock = threading.RLock()
         self._requests: dict[str, Seq] = {}
         self._pending: list[RequestOutput] = []  # aborts and rejections, returned next step
@@ -198,16 +202,21 @@ class LLMEngine:
 
     # -- inside a step -------------------------------------------------------------------
     def _rows(self, plan: SchedulerOutput) -> list[Row]:
+        spec = [(s.seq, s.num_draft_tokens) for s in plan.scheduled if s.num_draft_tokens]
+        proposals = self.proposer.propose(spec, self._sample_row) if spec else []
+        self._proposals = dict(zip([seq for seq, _ in spec], proposals, strict=True))
         rows = []
         for s in plan.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
+            end = start + s.num_new_tokens - s.num_draft_tokens
+            # A verification feeds the last token and the drafts, and wants logits for each.
+            drafts = self._proposals[seq].tokens if s.num_draft_tokens else []
             rows.append(
                 Row(
-                    tokens=seq.token_ids[start:end],
+                    tokens=seq.token_ids[start:end] + drafts,
                     start=start,
                     table=self.allocator.block_table(seq.request_id),
-                    num_logits=1 if end == seq.num_tokens else 0,
+                    num_logits=1 + len(drafts) if end == seq.num_tokens else 0,
                 )
             )
         return rows
@@ -215,40 +224,95 @@ class LLMEngine:
     def _postprocess(
         self, plan: SchedulerOutput, logits: mx.array | None, now: float
     ) -> list[RequestOutput]:
-        block_size = self.allocator.block_size
-        to_sample = []
+        to_sample, picks, verifying, offset = [], [], {}, 0
         for s in plan.scheduled:
             seq = s.seq
+            if s.num_draft_tokens:
+                verifying[seq] = offset
+                offset += len(self._proposals[seq].tokens) + 1
+                continue
             before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
-            if seq.num_computed_tokens // block_size > before // block_size:
-                self.allocator.commit(seq.request_id, seq.token_ids[: seq.num_computed_tokens])
+            self._commit(seq, before)
             if seq.num_computed_tokens == seq.num_tokens:
                 to_sample.append(seq)
-        if not to_sample:
-            return []
-        sampled = sample(logits, [self._sample_row(seq) for seq in to_sample])
+                picks.append(offset)
+                offset += 1
         outputs = []
+        if verifying:
+            outputs += self._verify(plan, logits, verifying, now)
+            logits = logits[mx.array(picks, dtype=mx.int32)] if picks else None
+        if not to_sample:
+            return outputs
+        sampled = sample(logits, [self._sample_row(seq) for seq in to_sample])
         for seq, pick in zip(to_sample, sampled, strict=True):
-            seq.token_ids.append(pick.token)
-            seq.token_times.append(now)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             if pick.top_logprobs is not None:
                 seq.logprobs.append(pick.top_logprobs)
-            reason, stop_reason = self._stop(seq, pick.token)
-            if reason:
-                self.scheduler.finish(seq)
-                self._finish(seq, reason, now, stop_reason=stop_reason)
+            self._append(seq, pick.token, now)
             outputs.append(self._output(seq))
         return outputs
 
-    def _sample_row(self, seq: Seq) -> SampleRow:
+    def _verify(
+        self, plan: SchedulerOutput, logits: mx.array, at: dict[Seq, int], now: float
+    ) -> list[RequestOutput]:
+        """Accept drafts (harness/speculative.py), append tokens, roll back rejected slots."""
+        table = np.array(logits.astype(mx.float32))
+        outputs = []
+        for seq, i in at.items():
+            proposal = self._proposals.pop(seq)
+            n = len(proposal.tokens)
+            got = verify(
+                table[i : i + n + 1],
+                proposal,
+                lambda j, s=seq, d=proposal.tokens: self._sample_row(s, d[:j]),
+            )
+            plan.spec_proposed += n
+            plan.spec_accepted += got.accepted
+            plan.spec_rejected += got.accepted < n
+            seq.spec_proposed += n
+            seq.spec_accepted += got.accepted
+            before = seq.num_computed_tokens
+            # The last token's KV and the accepted drafts' KV are in place; the rest is not.
+            seq.num_computed_tokens += got.accepted + 1
+            finished = False
+            for j, token in enumerate(got.tokens):  # stop conditions drop what follows a stop
+                if got.top_logprobs is not None:
+                    seq.logprobs.append(got.top_logprobs[j])
+                if finished := self._append(seq, token, now):
+                    break
+            if not finished:
+                self.allocator.trim(seq.request_id, seq.num_computed_tokens)
+                self.proposer.rollback(seq.request_id, seq.num_computed_tokens)
+                self._commit(seq, before)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _commit(self, seq: Seq, before: int) -> None:
+        """Tell the allocator about newly full blocks of written KV (prefix caches share them)."""
+        block_size = self.allocator.block_size
+        if seq.num_computed_tokens // block_size > before // block_size:
+            self.allocator.commit(seq.request_id, seq.token_ids[: seq.num_computed_tokens])
+
+    def _append(self, seq: Seq, token: int, now: float) -> bool:
+        """Append a generated token; finish the sequence if it stops here (True)."""
+        seq.token_ids.append(token)
+        seq.token_times.append(now)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        reason, stop_reason = self._stop(seq, token)
+        if reason:
+            self.scheduler.finish(seq)
+            self._finish(seq, reason, now, stop_reason=stop_reason)
+        return reason is not None
+
+    def _sample_row(self, seq: Seq, drafts: Sequence[int] = ()) -> SampleRow:
+        """The sampler's view of ``seq``, with ``drafts`` appended when verifying them."""
         banned = ()
-        if seq.num_output_tokens < seq.params.min_tokens:
+        if seq.num_output_tokens + len(drafts) < seq.params.min_tokens:
             eos = () if seq.params.ignore_eos else self.model.eos_token_ids
             banned = tuple(eos) + seq.params.stop_token_ids
-        return SampleRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.rng, banned)
+        tokens = seq.token_ids + list(drafts) if drafts else seq.token_ids
+        return SampleRow(seq.params, tokens, seq.num_prompt_tokens, seq.rng, banned)
 
     def _stop(self, seq: Seq, token: int) -> tuple[str | None, str | int | None]:
         p = seq.params

@@ -12,7 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from mlx_lm.models.cache import KVCache
 
 # Sizes named by configs. "tiny" keeps tests fast on a 2-core CPU; "small" (~32M params)
@@ -103,6 +103,36 @@ def random_model(
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     return describe(model, name=f"{arch}-{size}-random-seed{seed}")
+
+
+def noisy_copy(loaded: LoadedModel, scale: float, seed: int = 0) -> LoadedModel:
+    """A copy of ``loaded`` with Gaussian noise of relative ``scale`` added to every weight.
+
+    Each tensor ``w`` becomes ``w + scale * rms(w) * N(0, 1)``: a draft model whose agreement
+    with the target falls smoothly as ``scale`` grows (``scale == 0`` is an exact copy, so
+    speculative decoding accepts every draft token). It costs what the target costs.
+    """
+    if scale < 0:
+        raise ValueError(f"noisy_copy: scale={scale!r} must be >= 0")
+    params = tree_flatten(loaded.model.parameters())
+    if any(not mx.issubdtype(w.dtype, mx.floating) for _, w in params):
+        raise ValueError(f"noisy_copy: {loaded.name!r} has quantized weights; use a float model")
+    keys = iter(mx.random.split(mx.random.key(seed), len(params)))
+
+    def perturb(w: mx.array) -> mx.array:
+        rms = mx.sqrt(mx.mean(w.astype(mx.float32) ** 2))
+        noise = mx.random.normal(w.shape, key=next(keys)) * (scale * rms)
+        return w + noise.astype(w.dtype)
+
+    model = type(loaded.model)(loaded.model.args)
+    model.update(tree_map(perturb, loaded.model.parameters()))
+    mx.eval(model.parameters())
+    return describe(
+        model,
+        name=f"{loaded.name}-noisy{scale:g}-seed{seed}",
+        tokenizer=loaded.tokenizer,
+        eos_token_ids=loaded.eos_token_ids,
+    )
 
 
 def load_pretrained(path: str) -> LoadedModel:

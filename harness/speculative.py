@@ -1,0 +1,212 @@
+"""Speculative decoding mechanics: the draft proposer and the acceptance rule.
+
+One step of a sequence with ``n`` tokens (``n - 1`` of them with target KV) and ``k`` drafts::
+
+    draft:   catch up on token_ids[d:n] -> x_1, then x_1 -> x_2, ..., x_{k-1} -> x_k
+             (k batched draft forwards per engine step, one token each per sequence)
+    target:  [t_{n-1}, x_1 .. x_k] at positions n-1 .. n+k-1 in one forward, k + 1 logits
+    accept:  x_1 .. x_m (Leviathan et al. 2023), then one token from the target: the
+             correction at the first rejection, or a bonus token when all k are accepted
+
+Greedy requests accept a draft token iff it is the target's argmax. Sampling requests accept
+``x ~ q`` with probability ``min(1, p(x) / q(x))`` and on rejection draw from
+``norm(max(0, p - q))``, which makes every emitted token distributed exactly as the target's
+``p``. Both ``p`` and ``q`` go through the sampler's own processing (penalties, min_tokens
+bans, temperature, top-k/top-p/min-p), with the context each position actually has.
+
+The draft model has its own KV arena, allocator and runner; its KV for a sequence is dropped
+when the scheduler releases the sequence (finish, abort, preemption).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from allocators.free_list import FreeListAllocator
+from harness.kv_cache import KVArena
+from harness.model_runner import ModelRunner, Row
+from harness.models import LoadedModel, random_model
+from harness.request import Sequence as Seq
+from harness.sampling import SampleRow, adjust_logits, filtered_probs
+
+# The sampler's view of a sequence with some draft tokens appended (the engine's _sample_row).
+RowFor = Callable[[Seq, Sequence[int]], SampleRow]
+
+
+@dataclass
+class Proposal:
+    """A sequence's draft tokens and, for sampling requests, the draft distribution of each."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[np.ndarray] = field(default_factory=list)  # q_j, normalised; empty if greedy
+
+
+@dataclass
+class Verified:
+    """What the target's verification decided for one sequence."""
+
+    tokens: list[int]  # accepted drafts, then the correction or bonus token
+    accepted: int  # drafts accepted
+    top_logprobs: list[dict[int, float]] | None = None  # per token, when params.logprobs
+
+
+def random_draft(
+    target: LoadedModel, arch: str = "llama", size: str = "tiny", seed: int = 1, **overrides: Any
+) -> LoadedModel:
+    """The default draft: a seeded random model of a small size with the target's vocabulary."""
+    return random_model(arch, size, seed, vocab_size=target.vocab_size, **overrides)
+
+
+class DraftProposer:
+    """Runs the draft model over its own paged KV arena and proposes tokens per sequence."""
+
+    def __init__(self, draft: LoadedModel, *, num_blocks: int, block_size: int) -> None:
+        self.model = draft
+        self.allocator = FreeListAllocator(num_blocks=num_blocks, block_size=block_size)
+        self.arena = KVArena(
+            num_layers=draft.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=draft.num_kv_heads,
+            head_dim=draft.head_dim,
+            dtype=draft.dtype,
+        )
+        self.runner = ModelRunner(draft, self.arena)
+        self._computed: dict[str, int] = {}  # tokens of each sequence with draft KV
+        self.forward_time = 0.0  # cumulative, for cost measurements
+
+    def propose(self, work: Sequence[tuple[Seq, int]], row_for: RowFor) -> list[Proposal]:
+        """Up to ``k`` draft tokens for each ``(seq, k)``; fewer (none) when the draft's arena
+        has no room for the sequence, which the verification handles like any proposal."""
+        proposals = [Proposal() for _ in work]
+        live = []
+        for i, (seq, k) in enumerate(work):
+            # Slots for the catch-up tokens and x_1 .. x_{k-1}; x_k is never fed to the draft.
+            if self.allocator.allocate(seq.request_id, seq.num_tokens + k - 1) is not None:
+                self._computed.setdefault(seq.request_id, 0)
+                live.append(i)
+        for j in range(max((work[i][1] for i in live), default=0)):
+            batch = [i for i in live if work[i][1] > j]
+            rows = [self._row(work[i][0], proposals[i], j) for i in batch]
+            result = self.runner.forward(rows)
+            self.forward_time += result.build_time + result.forward_time
+            table = np.array(result.logits)
+            for b, i in enumerate(batch):
+                seq, proposal = work[i][0], proposals[i]
+                row = row_for(seq, proposal.tokens)
+                logits = adjust_logits(table[b], row)
+                if row.params.greedy:
+                    proposal.tokens.append(int(np.argmax(logits)))
+                else:
+                    q = _normalised(filtered_probs(logits, row.params))
+                    proposal.tokens.append(_draw(q, row.rng))
+                    proposal.probs.append(q)
+        for i in live:
+            seq, k = work[i]
+            self._computed[seq.request_id] = seq.num_tokens + k - 1
+        return proposals
+
+    def _row(self, seq: Seq, proposal: Proposal, j: int) -> Row:
+        table = self.allocator.block_table(seq.request_id)
+        if j == 0:  # catch up with the sequence: its new tokens (the whole prompt at first)
+            done = self._computed[seq.request_id]
+            return Row(seq.token_ids[done:], done, table)
+        return Row([proposal.tokens[-1]], seq.num_tokens + j - 1, table)
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Keep draft KV for at most the first ``num_tokens`` tokens (the accepted ones)."""
+        if request_id in self._computed:
+            keep = min(self._computed[request_id], num_tokens)
+            self._computed[request_id] = keep
+            self.allocator.trim(request_id, keep)
+
+    def release(self, request_id: str) -> None:
+        """Drop a sequence's draft KV (a no-op for a sequence the draft never saw)."""
+        self.allocator.free(request_id)
+        self._computed.pop(request_id, None)
+
+
+def build_proposer(target: LoadedModel, scheduler: Any) -> DraftProposer | None:
+    """The draft proposer a speculative scheduler asks for (None for other schedulers).
+
+    ``scheduler.draft`` is a LoadedModel, a callable building one from the target (e.g.
+    ``functools.partial(noisy_copy, scale=0.1)``), or None for ``random_draft``. The draft
+    arena has as many blocks as the target's, so it holds every running sequence unless the
+    target shares prefix blocks the draft cannot.
+    """
+    if not getattr(scheduler, "num_draft_tokens", 0):
+        return None
+    spec = scheduler.draft
+    draft = spec if isinstance(spec, LoadedModel) else (spec or random_draft)(target)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft model {draft.name!r} has vocabulary {draft.vocab_size}, target "
+            f"{target.name!r} has {target.vocab_size}: speculative decoding needs the same one"
+        )
+    alloc = scheduler.allocator
+    proposer = DraftProposer(draft, num_blocks=alloc.num_blocks, block_size=alloc.block_size)
+    scheduler.release_listeners.append(proposer.release)
+    return proposer
+
+
+def verify(logits: np.ndarray, proposal: Proposal, rows: Callable[[int], SampleRow]) -> Verified:
+    """Leviathan acceptance of ``proposal`` against target ``logits`` [len(drafts) + 1, vocab].
+
+    ``rows(j)`` is the sampler's view of the sequence with the first ``j`` drafts appended.
+    Target distributions are computed only up to the first rejection.
+    """
+    tokens: list[int] = []
+    logprobs: list[dict[int, float]] = []
+    for j in range(len(proposal.tokens) + 1):
+        row = rows(j)
+        adjusted = adjust_logits(logits[j], row)
+        draft = proposal.tokens[j] if j < len(proposal.tokens) else None
+        if row.params.greedy:
+            token = int(np.argmax(adjusted))
+        else:
+            p = _normalised(filtered_probs(adjusted, row.params))
+            q = proposal.probs[j] if draft is not None else None
+            token = accept_or_resample(p, q, draft, row.rng)
+        tokens.append(token)
+        if row.params.logprobs is not None:
+            logprobs.append(_top_logprobs(adjusted, row.params.logprobs))
+        if token != draft:
+            break
+    accepted = len(tokens) - 1
+    return Verified(tokens, accepted, logprobs if rows(0).params.logprobs is not None else None)
+
+
+def accept_or_resample(
+    p: np.ndarray, q: np.ndarray | None, draft: int | None, rng: np.random.Generator
+) -> int:
+    """One position of speculative sampling: ``draft`` (drawn from ``q``) if accepted, else a
+    token from the residual ``norm(max(0, p - q))``; with no draft, a bonus token from ``p``.
+
+    The returned token is distributed as ``p`` whatever ``q`` is (Leviathan et al., thm. 1).
+    """
+    if draft is None:
+        return _draw(p, rng)
+    if rng.random() * q[draft] < p[draft]:  # probability min(1, p/q), without dividing by 0
+        return draft
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    # p == q up to rounding leaves no residual mass; p itself is then the right law.
+    return _draw(residual / total if total > 0 else p, rng)
+
+
+def _normalised(probs: np.ndarray) -> np.ndarray:
+    return probs / probs.sum()
+
+
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    token = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), "right"))
+    return min(token, len(probs) - 1)
+
+
+def _top_logprobs(logits: np.ndarray, n: int) -> dict[int, float]:
+    logprobs = logits - np.logaddexp.reduce(logits)
+    return {int(t): float(logprobs[t]) for t in np.argsort(-logprobs)[:n]}

@@ -206,7 +206,7 @@ class BlockAllocator(ABC):
             free_blocks=self.num_blocks - self._used - cached,
             cached_blocks=cached,
             reserved_slots=self._used * self.block_size,
-            used_slots=sum(self._fill().values()),
+            used_slots=self._used_slots(),
             external_fragmentation=self._external_fragmentation(),
             prefix_queries=self._prefix_queries,
             prefix_query_tokens=self._prefix_query_tokens,
@@ -276,6 +276,13 @@ class BlockAllocator(ABC):
         if self._ref[block] == 0:
             self._used -= 1
             self._on_unreferenced(block)
+
+    def _used_slots(self) -> int:
+        # Without shared blocks every slot belongs to one table: skip the per-block walk,
+        # which the engine would otherwise pay on every step it records.
+        if max(self._ref, default=0) <= 1:
+            return sum(self._num_tokens.values())
+        return sum(self._fill().values())
 
     def _fill(self) -> dict[int, int]:
         """Slots in use per held block, each block at its fullest holder."""

@@ -6,6 +6,7 @@ The reference is mlx_lm's own single-sequence ``generate_step`` over its ``KVCac
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import mlx.core as mx
@@ -221,3 +222,27 @@ def test_bad_requests_name_the_problem(model, prompt, match):
     engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=8)
     with pytest.raises(RequestError, match=match):
         engine.add_request("x", prompt, GREEDY)
+
+
+def test_requests_added_and_aborted_from_another_thread(model, prompts, reference):
+    engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=256)
+    engine.add_request("first", prompts[0], GREEDY)
+    finished: dict[str, list[int]] = {}
+
+    def client():
+        for i in range(1, 6):
+            engine.add_request(f"r{i}", prompts[i], GREEDY)
+        engine.add_request("doomed", prompts[7], GREEDY)
+        engine.abort_request("doomed")
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    while thread.is_alive() or engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    thread.join()
+    assert finished["first"] == reference[0]
+    assert all(finished[f"r{i}"] == reference[i] for i in range(1, 6))
+    assert "doomed" in finished
+    assert_all_free(engine)

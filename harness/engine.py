@@ -18,7 +18,7 @@ import numpy as np
 
 from allocators.base import BlockAllocator
 from harness.clock import Clock, VirtualClock
-from harness.kv_cache import KVArena
+from harness.kv_cache import HostBlocks, KVArena
 from harness.model_runner import ModelRunner, Row
 from harness.models import LoadedModel
 from harness.recorder import Recorder
@@ -74,6 +74,7 @@ class LLMEngine:
         self._requests: dict[str, Seq] = {}
         self._pending: list[RequestOutput] = []  # aborts and rejections, returned next step
         self._num_added = 0
+        self._host: dict[str, HostBlocks] = {}  # KV of swapped-out requests
 
     @classmethod
     def build(
@@ -170,6 +171,7 @@ class LLMEngine:
             for seq, reason in plan.rejected:
                 self._finish(seq, "abort", now, abort_reason=reason)
                 outputs.append(self._output(seq))
+            swap_time = self._swap(plan)
             forward_time = build_time = 0.0
             if plan.scheduled:
                 self.runner.copy_blocks(plan.copies)
@@ -179,8 +181,24 @@ class LLMEngine:
                 outputs += self._postprocess(plan, result.logits, self.clock.after(elapsed))
             duration = time.perf_counter() - start
             self.clock.advance(duration)
-            self.recorder.step(plan, self.scheduler, now, duration, forward_time, build_time)
+            self.recorder.step(
+                plan, self.scheduler, now, duration, forward_time, build_time, swap_time=swap_time
+            )
+            if plan.hold_until is not None:
+                # The scheduler lets a bigger batch form: idle until it stops holding.
+                self.clock.wait_until(plan.hold_until)
             return outputs
+
+    def _swap(self, plan: SchedulerOutput) -> float:
+        """Move swapped KV between the arena and host copies; the seconds it took."""
+        if not plan.swapped_out and not plan.swapped_in:
+            return 0.0
+        start = time.perf_counter()
+        for s in plan.swapped_out:  # read first: the allocator may reuse these blocks now
+            self._host[s.seq.request_id] = self.arena.swap_out(s.blocks)
+        for s in plan.swapped_in:
+            self.arena.swap_in(self._host.pop(s.seq.request_id), s.blocks, s.first)
+        return time.perf_counter() - start
 
     def generate(
         self,
@@ -333,6 +351,7 @@ class LLMEngine:
 
     def _finish(self, seq: Seq, reason: str, now: float, **why) -> None:
         seq.status = Status.FINISHED
+        self._host.pop(seq.request_id, None)  # a swapped request's host copy goes too
         seq.finish_reason = reason
         seq.finish_time = now
         seq.abort_reason = why.get("abort_reason")

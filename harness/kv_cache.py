@@ -79,6 +79,43 @@ class KVArena:
                 arrays[layer] = pool
         mx.eval(self.keys, self.values)
 
+    def swap_out(self, blocks: Sequence[int]) -> HostBlocks:
+        """Copy ``blocks`` (every layer, K and V) into host memory, in the given order."""
+        idx = mx.array(blocks, dtype=mx.int32)
+        # numpy has no bfloat16: move the raw bits. np.array copies out of MLX's buffer, so
+        # the copy is paid even on unified memory (it is what the step's swap_time measures).
+        raw = _RAW[self.keys[0].dtype.size]
+        keys = [np.array(pool[idx].view(raw)) for pool in self.keys]
+        values = [np.array(pool[idx].view(raw)) for pool in self.values]
+        return HostBlocks(keys, values)
+
+    def swap_in(self, host: HostBlocks, blocks: Sequence[int], first: int = 0) -> None:
+        """Write host blocks ``first, first + 1, ...`` into device ``blocks``."""
+        if not blocks:
+            return
+        dst = mx.array(blocks, dtype=mx.int32)
+        for arrays, saved in ((self.keys, host.keys), (self.values, host.values)):
+            for layer, pool in enumerate(arrays):
+                pool[dst] = mx.array(saved[layer][first : first + len(blocks)]).view(pool.dtype)
+                arrays[layer] = pool
+        mx.eval(self.keys, self.values)
+
+
+_RAW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+@dataclass
+class HostBlocks:
+    """A swapped-out sequence's KV in host memory: per layer ``[n, n_kv, block_size, d]``
+    raw bits of the arena dtype."""
+
+    keys: list[np.ndarray]
+    values: list[np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
 
 @dataclass(frozen=True)
 class BatchLayout:

@@ -62,6 +62,7 @@ class Recorder:
         duration: float,
         forward_time: float,
         build_time: float,
+        swap_time: float = 0.0,
     ) -> None:
         if not self.enabled:
             return
@@ -90,6 +91,9 @@ class Recorder:
                 "num_waiting": len(scheduler.waiting),
                 "num_running": len(scheduler.running),
                 "num_swapped": len(getattr(scheduler, "swapped", ())),
+                "swap_out_blocks": sum(len(s.blocks) for s in plan.swapped_out),
+                "swap_in_blocks": sum(len(s.blocks) for s in plan.swapped_in),
+                "swap_time": swap_time,  # host copies of swapped KV, synchronised
                 "blocks_used": stats.used_blocks,
                 "blocks_free": stats.free_blocks,
                 "blocks_cached": stats.cached_blocks,

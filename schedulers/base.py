@@ -1,13 +1,27 @@
 """The scheduler contract and the mechanics every policy shares.
 
 A scheduler decides; it never touches tensors. Each step it returns a ``SchedulerOutput``:
-which sequences run and how many new tokens each computes, who was preempted, and the block
-copies the runner applies first. It asks the allocator for blocks through the allocator's
-contract (``match_prefix``/``allocate``/``free``) and nothing else.
+which sequences run and how many new tokens each computes, who was preempted and how
+(recompute or swap), which swapped sequences come back, and the block copies the runner
+applies first. It asks the allocator for blocks through the allocator's contract
+(``match_prefix``/``allocate``/``block_table``/``free``) and nothing else.
 
-Policies override the hooks that differ: ``_waiting_order`` (who is admitted first),
-``_victim`` (who is preempted under memory pressure) and ``_chunk`` (how many tokens a
-sequence computes this step).
+One step, decode-first (the default)::
+
+    hold?     nothing runs and fewer than min_batch_size wait, none for max_wait: run nothing
+    running   in _running_order, each grows by _chunk tokens; when the allocator says no,
+              _victim picks a not-yet-scheduled running sequence (or the asking one) to
+              preempt (recompute: free and requeue; swap: copy to host, free)
+    bring in  only if nothing was preempted for lack of memory: swapped sequences, then
+              waiting ones, in _incoming_order, while max_num_seqs, the token budget and
+              the free blocks above the watermark allow; the first that does not fit stops it
+
+Prefill-first (``prefill_first = True``) brings in before scheduling the running sequences,
+keeping back the blocks their decodes need this step.
+
+Policies override the hooks that differ: ``_waiting_order`` / ``_incoming_order`` (who comes
+in first), ``_victim`` (who is preempted), ``_running_order`` and ``_chunk`` (chunking), and
+``_make_room`` (preempting to admit a more important request).
 """
 
 from __future__ import annotations
@@ -17,12 +31,15 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 
-from allocators.base import BlockAllocator
+from allocators.base import Allocation, BlockAllocator, blocks_for
 from harness.request import Sequence, Status
 
 
 class Preemption(enum.Enum):
-    RECOMPUTE = "recompute"
+    """How a preempted sequence gives back its blocks."""
+
+    RECOMPUTE = "recompute"  # free the blocks, requeue at the front, recompute prompt + output
+    SWAP = "swap"  # copy the computed blocks to a host-side copy, free them, copy back later
 
 
 @dataclass(frozen=True)
@@ -38,30 +55,79 @@ class Scheduled:
     num_draft_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class SwapOut:
+    """Copy device ``blocks`` (``seq``'s table, in order) to a host copy of ``seq``.
+
+    The allocator already counts them free and may hand them out in this same step, so the
+    engine reads them before it applies any swap-in, block copy or forward.
+    """
+
+    seq: Sequence
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """Write host blocks ``first, first + 1, ...`` of ``seq``'s host copy into the new device
+    ``blocks``, then drop the host copy. Host blocks before ``first`` came back from the
+    allocator's prefix cache and need no copy."""
+
+    seq: Sequence
+    blocks: tuple[int, ...]
+    first: int = 0
+
+
 @dataclass
 class SchedulerOutput:
-    """One step's decision."""
+    """One step's decision; the engine applies it in field order.
+
+    ``swapped_out`` first (read), then ``swapped_in`` (write), then ``copies``, then the
+    forward over ``scheduled``. ``rejected`` sequences can never run and hold nothing.
+    ``hold_until`` is set when nothing runs on purpose (a batch of ``min_batch_size`` is
+    forming): nothing will change before that time unless a request arrives.
+    """
 
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[tuple[Sequence, Preemption]] = field(default_factory=list)
-    rejected: list[tuple[Sequence, str]] = field(default_factory=list)  # can never run
+    rejected: list[tuple[Sequence, str]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    swapped_out: list[SwapOut] = field(default_factory=list)
+    swapped_in: list[SwapIn] = field(default_factory=list)
+    hold_until: float | None = None
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-class Scheduler(ABC):
-    """Continuous batching mechanics; subclasses choose order, victims and chunking.
+def positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int >= 1, else a ValueError naming ``scheduler.<name>``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"scheduler.{name}={value!r} is invalid: it must be an int >= 1")
+    return value
 
-    Each step: running sequences first, in admission order, each growing its blocks (when the
-    allocator says no, ``_victim`` picks a running sequence to preempt by recompute: blocks
-    freed, requeued at the front, generated tokens kept); then waiting sequences are admitted
-    in ``_waiting_order`` while the batch constraints and free blocks allow.
+
+class Scheduler(ABC):
+    """Continuous batching mechanics under the batch constraints; subclasses choose order,
+    victims and chunking (see the module docstring for one step).
+
+    Args:
+        max_num_seqs: running sequences at most.
+        max_num_batched_tokens: new tokens per step at most (the token budget).
+        max_model_len: prompt + output tokens at most; longer prompts are rejected.
+        watermark: fraction of the arena's blocks kept free for running sequences' growth
+            when admitting or swapping in (ignored while nothing runs, so it never blocks).
+        min_batch_size, max_wait: while nothing runs, do not start a batch of fewer than
+            ``min_batch_size`` waiting requests until the oldest has waited ``max_wait``
+            seconds (never longer).
+        preemption_mode: ``recompute`` or ``swap``.
+        swap_blocks: host blocks the swap space holds (None: unbounded); a victim that does
+            not fit is preempted by recompute instead.
     """
 
     chunked_prefill = False
+    prefill_first = False
 
     def __init__(
         self,
@@ -71,14 +137,18 @@ class Scheduler(ABC):
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 2048,
         watermark: float = 0.0,
+        min_batch_size: int = 1,
+        max_wait: float = 0.0,
+        preemption_mode: str = "recompute",
+        swap_blocks: int | None = None,
     ) -> None:
         for name, value in [
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", max_model_len),
+            ("min_batch_size", min_batch_size),
         ]:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"scheduler.{name}={value!r} is invalid: it must be an int >= 1")
+            positive_int(name, value)
         if not self.chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"scheduler.max_num_batched_tokens={max_num_batched_tokens} is below "
@@ -87,13 +157,30 @@ class Scheduler(ABC):
             )
         if not 0 <= watermark < 1:
             raise ValueError(f"scheduler.watermark={watermark!r} must be a fraction in [0, 1)")
+        if min_batch_size > max_num_seqs:
+            raise ValueError(
+                f"scheduler.min_batch_size={min_batch_size} exceeds max_num_seqs={max_num_seqs}"
+            )
+        if not max_wait >= 0:
+            raise ValueError(f"scheduler.max_wait={max_wait!r} must be >= 0 seconds")
+        modes = [m.value for m in Preemption]
+        if preemption_mode not in modes:
+            raise ValueError(f"scheduler.preemption_mode={preemption_mode!r}: use one of {modes}")
+        if swap_blocks is not None:
+            positive_int("swap_blocks", swap_blocks)
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.watermark_blocks = int(watermark * allocator.num_blocks)
+        self.min_batch_size = min_batch_size
+        self.max_wait = max_wait
+        self.preemption_mode = Preemption(preemption_mode)
+        self.swap_blocks = swap_blocks
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order
+        self.swapped: list[Sequence] = []  # in swap-out order
+        self.host_blocks: dict[str, int] = {}  # swapped request -> blocks of its host copy
 
     # -- requests in and out -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -101,12 +188,14 @@ class Scheduler(ABC):
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Remove a request in any state and free its blocks; None if it is not here."""
-        for queue in (self.waiting, self.running):
+        """Remove a request in any state and free its blocks (the engine drops its host
+        copy); None if it is not here."""
+        for queue in (self.waiting, self.running, self.swapped):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self.allocator.free(seq.request_id)
+                    self.allocator.free(request_id)
+                    self.host_blocks.pop(request_id, None)
                     return seq
         return None
 
@@ -116,22 +205,46 @@ class Scheduler(ABC):
         self.allocator.free(seq.request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     # -- the step decision ---------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
+        """Decide one step at time ``now`` (see the module docstring)."""
         out = SchedulerOutput()
+        out.hold_until = self._hold_until(now)
+        if out.hold_until is not None:
+            return out
+        self._make_room(out)
         budget = self.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if not out.preempted:
-            self._admit_waiting(out, budget, now)
+        running = self._running_order()
+        if self.prefill_first:
+            bs = self.allocator.block_size
+            growth = sum(s.num_computed_tokens % bs == 0 for s in running)
+            budget = self._bring_in(out, budget, now, reserve=growth)
+            self._schedule_running(out, budget, running)
+        else:
+            budget, pressure = self._schedule_running(out, budget, running)
+            if not pressure:
+                self._bring_in(out, budget, now, reserve=0)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        queue = list(self.running)
+    def _hold_until(self, now: float) -> float | None:
+        if self.running or self.swapped or not self.waiting:
+            return None
+        if len(self.waiting) >= self.min_batch_size:
+            return None
+        deadline = min(s.arrival_time for s in self.waiting) + self.max_wait
+        return deadline if now < deadline else None
+
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, order: list[Sequence]
+    ) -> tuple[int, bool]:
+        """Grow running sequences; returns the budget left and whether memory ran out."""
+        queue = list(order)
+        pressure = False
         while queue and budget > 0:
             seq = queue.pop(0)
             n = self._chunk(seq, budget)
@@ -140,50 +253,80 @@ class Scheduler(ABC):
             while (
                 alloc := self.allocator.allocate(seq.request_id, seq.num_computed_tokens + n)
             ) is None:
+                pressure = True
                 victim = self._victim(queue + [seq])
                 if victim is not seq:
                     queue.remove(victim)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-            if alloc is None:
-                continue
-            out.copies.extend(alloc.copies)
-            out.scheduled.append(Scheduled(seq, n))
-            budget -= n
-        return budget
+            if alloc is not None:
+                budget = self._run(out, seq, n, alloc, budget)
+        return budget, pressure
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        allocator = self.allocator
-        for seq in self._waiting_order():
+    def _bring_in(self, out: SchedulerOutput, budget: int, now: float, reserve: int) -> int:
+        """Swap in, then admit, in ``_incoming_order``; the first that does not fit stops it."""
+        just_preempted = {id(s) for s, _ in out.preempted}
+        for seq in self._incoming_order():
             if len(self.running) >= self.max_num_seqs or budget <= 0:
-                return
-            reason = self._never_fits(seq)
-            if reason:
+                break
+            if id(seq) in just_preempted:
+                break  # it made room for someone this step; do not undo that
+            swapped = seq.status is Status.SWAPPED
+            if not swapped and (reason := self._never_fits(seq)):
                 self.waiting.remove(seq)
                 out.rejected.append((seq, reason))
                 continue
-            cached = allocator.match_prefix(seq.request_id, seq.token_ids)
-            seq.num_computed_tokens = cached
+            # Blocks still in the prefix cache come back without a copy (radix).
+            computed = seq.num_computed_tokens if swapped else seq.num_tokens
+            cached = self.allocator.match_prefix(seq.request_id, seq.token_ids[: computed + 1])
+            if not swapped:
+                seq.num_computed_tokens = cached
             n = self._chunk(seq, budget)
-            need = -(-(cached + n) // allocator.block_size) - cached // allocator.block_size
-            alloc = None
-            if n > 0 and allocator.num_free_blocks() - need >= self.watermark_blocks:
-                alloc = allocator.allocate(seq.request_id, cached + n)
+            alloc = self._take(seq, cached, n, reserve) if n > 0 else None
             if alloc is None:
-                allocator.free(seq.request_id)  # drop the prefix references taken above
-                seq.num_computed_tokens = 0
-                return
-            self.waiting.remove(seq)
+                self.allocator.free(seq.request_id)  # drop the prefix references taken above
+                if not swapped:
+                    seq.num_computed_tokens = 0
+                if n > 0 and not self.running:
+                    # Nothing else holds blocks: it will never fit.
+                    (self.swapped if swapped else self.waiting).remove(seq)
+                    self.host_blocks.pop(seq.request_id, None)
+                    need = seq.num_computed_tokens + n
+                    out.rejected.append((seq, f"{need} KV slots do not fit in the empty arena"))
+                    continue
+                break
+            if swapped:
+                self.swapped.remove(seq)
+                host = self.host_blocks.pop(seq.request_id)
+                first = cached // self.allocator.block_size
+                out.swapped_in.append(SwapIn(seq, alloc.block_table[first:host], first))
+            else:
+                self.waiting.remove(seq)
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = cached
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
             self.running.append(seq)
             seq.status = Status.RUNNING
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = cached
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-            out.copies.extend(alloc.copies)
-            out.scheduled.append(Scheduled(seq, n))
-            budget -= n
+            budget = self._run(out, seq, n, alloc, budget)
+        return budget
+
+    def _take(self, seq: Sequence, cached: int, n: int, reserve: int) -> Allocation | None:
+        """Slots for an incoming ``seq`` (``cached`` of them shared from the prefix cache) and
+        its ``n`` new tokens, if ``reserve`` blocks and the watermark stay free."""
+        bs, total = self.allocator.block_size, seq.num_computed_tokens + n
+        need = blocks_for(total, bs) - cached // bs
+        keep = reserve + (self.watermark_blocks if self.running else 0)
+        if self.allocator.num_free_blocks() - need < keep:
+            return None
+        return self.allocator.allocate(seq.request_id, total)
+
+    @staticmethod
+    def _run(out: SchedulerOutput, seq: Sequence, n: int, alloc: Allocation, budget: int) -> int:
+        out.copies.extend(alloc.copies)
+        out.scheduled.append(Scheduled(seq, n))
+        return budget - n
 
     def _never_fits(self, seq: Sequence) -> str | None:
         if seq.num_tokens > self.max_model_len:
@@ -194,11 +337,27 @@ class Scheduler(ABC):
         return None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take a running sequence off the device, by swap when configured and room allows."""
         self.running.remove(seq)
+        seq.preemptions += 1
+        num_blocks = blocks_for(seq.num_computed_tokens, self.allocator.block_size)
+        host_used = sum(self.host_blocks.values())
+        if (
+            self.preemption_mode is Preemption.SWAP
+            and num_blocks > 0
+            and (self.swap_blocks is None or host_used + num_blocks <= self.swap_blocks)
+        ):
+            blocks = tuple(self.allocator.block_table(seq.request_id)[:num_blocks])
+            self.allocator.free(seq.request_id)
+            seq.status = Status.SWAPPED
+            self.swapped.append(seq)
+            self.host_blocks[seq.request_id] = num_blocks
+            out.swapped_out.append(SwapOut(seq, blocks))
+            out.preempted.append((seq, Preemption.SWAP))
+            return
         self.allocator.free(seq.request_id)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
-        seq.preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append((seq, Preemption.RECOMPUTE))
 
@@ -210,6 +369,17 @@ class Scheduler(ABC):
     @abstractmethod
     def _victim(self, candidates: list[Sequence]) -> Sequence:
         """Whom to preempt among running sequences not yet scheduled (and the one asking)."""
+
+    def _incoming_order(self) -> list[Sequence]:
+        """Who comes in first: swapped sequences (earliest swapped first), then waiting."""
+        return self.swapped + self._waiting_order()
+
+    def _running_order(self) -> list[Sequence]:
+        """Order in which running sequences claim the token budget and blocks."""
+        return list(self.running)
+
+    def _make_room(self, out: SchedulerOutput) -> None:  # noqa: B027 (optional hook)
+        """Preempt running sequences before scheduling (priority preemption); none here."""
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens ``seq`` computes this step: all that remain, if the budget holds them."""

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from allocators.base import BlockAllocator
 from harness.request import Sequence
 from schedulers.base import Scheduler
 
+ORDERS = ("decode_first", "prefill_first")
+
 
 class FCFSScheduler(Scheduler):
-    """Admit in arrival order (preempted sequences first); preempt the latest admitted."""
+    """Admit in arrival order (preempted sequences first); preempt the latest admitted.
+
+    ``order="decode_first"`` (default) grows the running sequences before admitting new
+    ones; ``"prefill_first"`` admits first (keeping back the blocks this step's decodes
+    need), so new prompts start sooner and decodes get the budget left over. Other keyword
+    arguments are the batch constraints of ``Scheduler``.
+    """
+
+    def __init__(self, allocator: BlockAllocator, *, order: str = "decode_first", **kwargs):
+        if order not in ORDERS:
+            raise ValueError(f"scheduler.order={order!r}: use one of {list(ORDERS)}")
+        super().__init__(allocator, **kwargs)
+        self.prefill_first = order == "prefill_first"
 
     def _waiting_order(self) -> list[Sequence]:
         return list(self.waiting)

@@ -1,0 +1,61 @@
+"""Chunked prefill (Sarathi-Serve; the low-level design seed's algorithm 6).
+
+Every step first gives each running decode its one token, then fills the rest of the token
+budget with prefill chunks of at most ``max_chunk`` tokens, running prefills before new
+admissions. A prefill spans as many steps as it needs, each chunk attending over the KV its
+earlier chunks wrote::
+
+    budget 8, max_chunk 4     step 1       step 2       step 3
+    decode a                  a            a            a
+    decode b                  b            b            b
+    prompt c (10 tokens)      c[0:4]       c[4:8]       c[8:10] -> first token
+    prompt d (3 tokens)       d[0:2]       d[2:3] ...
+
+Admission and preemption are FCFS's (the latest admitted is the victim).
+"""
+
+from __future__ import annotations
+
+from allocators.base import BlockAllocator
+from harness.request import Sequence
+from schedulers.base import positive_int
+from schedulers.fcfs import FCFSScheduler
+
+
+class ChunkedPrefillScheduler(FCFSScheduler):
+    """Decodes first, then prefill chunks of at most ``max_chunk`` tokens in the leftover
+    budget. ``max_num_batched_tokens`` may be below ``max_model_len``; it must cover one
+    token per running sequence so that no decode ever waits for a prefill."""
+
+    chunked_prefill = True
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        max_chunk: int = 512,
+        max_num_batched_tokens: int = 512,
+        **kwargs,
+    ) -> None:
+        super().__init__(
+            allocator,
+            order="decode_first",
+            max_num_batched_tokens=max_num_batched_tokens,
+            **kwargs,
+        )
+        positive_int("max_chunk", max_chunk)
+        if max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens={max_num_batched_tokens} is below "
+                f"max_num_seqs={self.max_num_seqs}: some decodes would wait for prefills; "
+                "raise the budget or lower max_num_seqs"
+            )
+        self.max_chunk = max_chunk
+
+    def _running_order(self) -> list[Sequence]:
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        return decodes + prefills
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        return min(seq.num_uncomputed_tokens, budget, self.max_chunk)

@@ -1,0 +1,93 @@
+"""Priority scheduling: lower ``priority`` values run first, ties by arrival.
+
+With ``aging_rate`` r a request's effective priority is ``priority - r * (now - arrival)``:
+it improves the longer the request has been in the system, so nothing starves. Every
+request ages at the same rate, so the order this gives equals the order of the constant
+key ``priority + r * arrival``; the scheduler sorts by that key and never needs ``now``,
+and a preempted request never outranks the one it made room for.
+
+Like vLLM's priority policy, a waiting request that outranks running ones preempts the
+lowest-ranked of them when it cannot otherwise come in (``preempt_lower=True``): only
+as many as its prompt needs, and only when preempting them all would make it fit.
+
+Victims under memory pressure (``victim``), as in the low-level design seed:
+
+    priority            lowest rank (highest effective priority value, latest arrival)
+    fcfs                the latest admitted
+    shortest_remaining  the one closest to done (fewest output tokens left), as the seed
+    recompute_cheapest  the one with the fewest computed tokens (cheapest to redo)
+"""
+
+from __future__ import annotations
+
+from allocators.base import BlockAllocator, blocks_for
+from harness.request import Sequence
+from schedulers.base import Scheduler, SchedulerOutput
+
+VICTIMS = ("priority", "fcfs", "shortest_remaining", "recompute_cheapest")
+
+
+class PriorityScheduler(Scheduler):
+    """Lower priority value first, ties by arrival; selectable victims; optional aging."""
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        victim: str = "priority",
+        aging_rate: float = 0.0,
+        preempt_lower: bool = True,
+        **kwargs,
+    ) -> None:
+        if victim not in VICTIMS:
+            raise ValueError(f"scheduler.victim={victim!r}: use one of {list(VICTIMS)}")
+        if not aging_rate >= 0:
+            raise ValueError(f"scheduler.aging_rate={aging_rate!r} must be >= 0 per second")
+        super().__init__(allocator, **kwargs)
+        self.victim = victim
+        self.aging_rate = aging_rate
+        self.preempt_lower = preempt_lower
+
+    def rank(self, seq: Sequence) -> tuple[float, float]:
+        """Sort key: smaller runs first (effective priority up to a shared constant)."""
+        return seq.priority + self.aging_rate * seq.arrival_time, seq.arrival_time
+
+    def _waiting_order(self) -> list[Sequence]:
+        return sorted(self.waiting, key=self.rank)  # stable: equal keys keep queue order
+
+    def _incoming_order(self) -> list[Sequence]:
+        # Swapped first among equals; otherwise a swapped request waits its turn.
+        return sorted(self.swapped + list(self.waiting), key=self.rank)
+
+    def _victim(self, candidates: list[Sequence]) -> Sequence:
+        latest = self.running.index
+        if self.victim == "priority":
+            return max(candidates, key=lambda s: (self.rank(s), latest(s)))
+        if self.victim == "fcfs":
+            return max(candidates, key=latest)
+        if self.victim == "shortest_remaining":
+            return min(candidates, key=lambda s: (_remaining(s), -latest(s)))
+        return min(candidates, key=lambda s: (s.num_computed_tokens, -latest(s)))
+
+    def _make_room(self, out: SchedulerOutput) -> None:
+        incoming = self._incoming_order()
+        if not self.preempt_lower or not incoming or not self.running:
+            return
+        head = incoming[0]
+        if self._never_fits(head):
+            return
+        lower = sorted((s for s in self.running if self.rank(s) > self.rank(head)), key=self.rank)
+        bs = self.allocator.block_size
+        need = blocks_for(head.num_tokens, bs) + self.watermark_blocks
+        held = {s.request_id: len(self.allocator.block_table(s.request_id)) for s in lower}
+        free = self.allocator.num_free_blocks()
+        if free + sum(held.values()) < need or len(self.running) - len(lower) >= self.max_num_seqs:
+            return  # preempting every lower-ranked request would still not let it in
+        while lower and (free < need or len(self.running) >= self.max_num_seqs):
+            victim = lower.pop()
+            self._preempt(victim, out)
+            free += held[victim.request_id]
+
+
+def _remaining(seq: Sequence) -> int:
+    return seq.params.max_tokens - seq.num_output_tokens

@@ -1,3 +1,55 @@
-"""Shared test set-up."""
+"""Shared test set-up: MKL before MLX, and Hydra's compose API over conf/ at tiny sizes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 
 import harness  # noqa: F401  (first: switches MLX to MKL before any test imports mlx)
+from harness.run import CONFIG_DIR
+
+REPO = Path(__file__).resolve().parent.parent
+# Seconds-long experiments: six short requests, a small arena, no progress bar.
+TINY = ("trace=smoke", "engine.num_blocks=64", "progress=false")
+
+
+def compose_config(overrides: Sequence[str] = (), *, tiny: bool = True) -> DictConfig:
+    """conf/config.yaml composed with ``overrides`` (after the ``TINY`` ones when ``tiny``)."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="test"):
+        return compose(config_name="config", overrides=[*(TINY if tiny else ()), *overrides])
+
+
+@pytest.fixture
+def compose_cfg() -> Callable[..., DictConfig]:
+    """``compose_cfg(["allocator=radix"])``: a composed config at tiny sizes."""
+    return compose_config
+
+
+def run_kvbench(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m harness.run *args`` in a subprocess (a fresh Hydra, as from a shell)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.run", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kvbench {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def kvbench(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """Run kvbench at tiny sizes with results under ``tmp_path`` (its working directory)."""
+
+    def call(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return run_kvbench(*TINY, *args, cwd=tmp_path, check=check)
+
+    return call

@@ -1,0 +1,187 @@
+"""Validate a composed kvbench config against the signatures of its ``_target_``s.
+
+Hydra catches a misspelt key on the command line (the config is in struct mode), but not one
+in a YAML file, and a wrong type only surfaces deep inside a constructor, possibly after the
+model is loaded. ``validate`` walks every ``_target_`` node before any work is done and checks
+each key against the target's signature and type hints, so the error names the key and the
+fix. The signatures are the schema: there is no second copy of each component's parameters.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import difflib
+import inspect
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+GROUPS = ("model", "allocator", "scheduler", "trace", "engine")
+# Top-level plain keys and the type each must have.
+SETTINGS = {"experiment_name": str, "sweep_id": str, "progress": bool}
+# Arguments the harness passes when it builds a part, so the config must not set them.
+RUNTIME_ARGS = {
+    "allocator": {"num_blocks", "block_size"},
+    "scheduler": {"allocator"},
+    "engine": {"model", "allocator", "scheduler"},
+}
+_RESERVED = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, missing or of the wrong type; the message names key and fix."""
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` for the first problem in ``cfg``; return quietly if it is sound."""
+    expected = set(GROUPS) | set(SETTINGS) | {"experiment"}
+    for key in cfg:
+        if key not in expected:
+            raise ConfigError(f"{key} is not a kvbench setting{_did_you_mean(key, expected)}")
+    for key in GROUPS:
+        if key not in cfg or not isinstance(cfg[key], DictConfig):
+            raise ConfigError(f"{key} is not set: choose an option, e.g. {key}=<conf/{key}/*.yaml>")
+    for key, kind in SETTINGS.items():
+        value = _value(cfg, key, key)
+        if not _matches(value, kind):
+            raise ConfigError(f"{key}={value!r} must be {kind.__name__}")
+    if "generator" not in cfg.trace:
+        raise ConfigError(
+            "trace.generator is missing: a trace option sets its knobs at trace.* and the call "
+            "that builds the trace at trace.generator (see conf/trace/poisson.yaml)"
+        )
+    for key in cfg.trace:
+        if key != "generator":
+            _value(cfg.trace, key, f"trace.{key}")  # knobs must be set and resolve
+    for group in ("model", "allocator", "scheduler", "engine"):
+        check_node(cfg[group], group, RUNTIME_ARGS.get(group, set()))
+    check_node(cfg.trace.generator, "trace.generator", set())
+    engine = cfg.engine
+    if (engine.get("num_blocks") is None) == (engine.get("kv_cache_bytes") is None):
+        raise ConfigError(
+            "engine.num_blocks and engine.kv_cache_bytes: set exactly one, e.g. "
+            "engine.num_blocks=null engine.kv_cache_bytes=67108864"
+        )
+
+
+def check_node(node: DictConfig, path: str, runtime: set[str]) -> None:
+    """Check one ``_target_`` node (and nested ones) against its target's signature."""
+    target = node.get("_target_")
+    if not isinstance(target, str):
+        raise ConfigError(f"{path}._target_ is missing: name the class or function to build")
+    try:
+        obj = get_object(target)
+    except Exception as e:
+        raise ConfigError(f"{path}._target_={target!r} cannot be imported: {e}") from None
+    params, hints, takes_any = _signature(obj)
+    settable = [n for n, p in params.items() if _is_keyword(p) and n not in runtime]
+    for key in node:
+        if key in _RESERVED:
+            continue
+        where = f"{path}.{key}"
+        if key in runtime:
+            raise ConfigError(f"{where} is set by the harness at run time: remove it")
+        if key not in params and not takes_any:
+            raise ConfigError(
+                f"{where} is not a parameter of {target}{_did_you_mean(key, settable)}; "
+                f"accepted: {', '.join(settable)}"
+            )
+        value = _value(node, key, where)
+        if isinstance(value, DictConfig) and "_target_" in value:
+            check_node(value, where, set())
+        elif key in hints and not _matches(value, hints[key]):
+            raw = OmegaConf.to_container(node, resolve=False)[key]
+            via = f" (from {raw})" if isinstance(raw, str) and "${" in raw else ""
+            raise ConfigError(f"{where}={value!r}{via} must be {_type_name(hints[key])}")
+    for name, p in params.items():
+        if _is_keyword(p) and p.default is p.empty and name not in node and name not in runtime:
+            raise ConfigError(f"{path}.{name} is missing: {target} requires it; add it")
+
+
+def _value(node: DictConfig, key: str, where: str) -> Any:
+    if OmegaConf.is_missing(node, key):
+        raise ConfigError(f"{where} is required and not set (???): set it, e.g. {where}=...")
+    try:
+        return node[key]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where} cannot be resolved: {e}") from None
+
+
+def _is_keyword(p: inspect.Parameter) -> bool:
+    return p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+
+
+def _signature(obj: Any) -> tuple[dict[str, inspect.Parameter], dict[str, Any], bool]:
+    """Parameters, type hints, and whether any keyword is accepted.
+
+    A class whose ``__init__`` forwards ``**kwargs`` to its base (as the schedulers do)
+    accepts the base's parameters too, so the walk follows the MRO until an ``__init__``
+    without ``**kwargs``; only a chain that ends in ``**kwargs`` accepts any key.
+    """
+    if not inspect.isclass(obj) or dataclasses.is_dataclass(obj):
+        params = dict(inspect.signature(obj).parameters)
+        forwards = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        return params, _hints(obj), forwards
+    params: dict[str, inspect.Parameter] = {}
+    hints: dict[str, Any] = {}
+    for klass in obj.__mro__:
+        if "__init__" not in vars(klass) or klass is object:
+            continue
+        own = inspect.signature(klass.__init__).parameters
+        for name, p in own.items():
+            if p.kind is not p.VAR_KEYWORD and name != "self":
+                params.setdefault(name, p)
+        hints = {**_hints(klass.__init__), **hints}
+        if not any(p.kind is p.VAR_KEYWORD for p in own.values()):
+            return params, hints, False
+    return params, hints, True
+
+
+def _hints(obj: Any) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(obj)
+    except Exception:  # unresolvable annotations: check names only
+        return {}
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a config value can be passed where ``hint`` is expected (shallow)."""
+    origin = get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, arg) for arg in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is Literal:
+        return value in get_args(hint)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    container = origin or hint
+    if container in (list, tuple, collections.abc.Sequence):
+        return isinstance(value, (ListConfig, list, tuple))
+    if container in (dict, collections.abc.Mapping):
+        return isinstance(value, (DictConfig, dict))
+    return True  # classes and protocols: built from nested _target_ nodes, checked there
+
+
+def _type_name(hint: Any) -> str:
+    if get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(hint))
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _did_you_mean(key: str, choices: collections.abc.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

@@ -1,0 +1,111 @@
+"""A run's files and how to read many of them back.
+
+Every run folder (Hydra makes it: ``results/<experiment>/runs/<time>`` or
+``results/<experiment>/multiruns/<sweep_id>/<overrides>``) holds ``.hydra/`` (the resolved
+config and the overrides), ``requests.parquet``, ``steps.parquet`` and ``summary.json``.
+Files are written to a temporary name and renamed (``os.replace``), so a reader never sees
+a half-written file, and ``summary.json`` is written last: a folder with it is a finished run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from harness.metrics import requests_frame, steps_frame
+
+SUMMARY_FILE = "summary.json"
+REQUESTS_FILE = "requests.parquet"
+STEPS_FILE = "steps.parquet"
+
+
+def _atomic(path: Path, write: Callable[[str], None]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_tables(run_dir: str | os.PathLike, requests: pd.DataFrame, steps: pd.DataFrame) -> None:
+    """Write the per-request and per-step tables atomically."""
+    run_dir = Path(run_dir)
+    _atomic(run_dir / REQUESTS_FILE, lambda tmp: requests.to_parquet(tmp, index=False))
+    _atomic(run_dir / STEPS_FILE, lambda tmp: steps.to_parquet(tmp, index=False))
+
+
+def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> None:
+    """Write ``summary.json`` atomically (NaN as null, so any JSON reader accepts it)."""
+    text = json.dumps(_nan_to_none(summary), indent=2) + "\n"
+    _atomic(Path(run_dir) / SUMMARY_FILE, lambda tmp: Path(tmp).write_text(text))
+
+
+def read_summary(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The run's summary, or None if it has not finished (no summary.json)."""
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.exists():
+        return None
+    return {k: math.nan if v is None else v for k, v in json.loads(path.read_text()).items()}
+
+
+def load_tables(run_dir: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """One run's (requests, steps) tables, validated against the metrics schemas."""
+    run_dir = Path(run_dir)
+    requests = requests_frame(pd.read_parquet(run_dir / REQUESTS_FILE))
+    steps = steps_frame(pd.read_parquet(run_dir / STEPS_FILE))
+    return requests, steps
+
+
+def overrides(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run's command-line overrides as {key: value} (``.hydra/overrides.yaml``)."""
+    path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    if path.exists():
+        items = yaml.safe_load(path.read_text()) or []
+    else:  # a run made by harness.run.run() without Hydra: the summary keeps them
+        items = (read_summary(run_dir) or {}).get("overrides", [])
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out[key.lstrip("+~")] = yaml.safe_load(value) if value else None
+    return out
+
+
+def load(path: str | os.PathLike) -> pd.DataFrame:
+    """Every finished run under ``path``: one row per run, sorted by folder.
+
+    Columns: ``run_dir``; the config group options chosen (``model``, ``allocator``, ...);
+    the overrides (e.g. ``trace.rate``); then the summary's scalar figures. Nested records
+    (``machine``, ``trace_metadata``) stay in summary.json; ``load_tables(row.run_dir)``
+    gives a run's request and step tables.
+    """
+    rows = []
+    for summary_path in sorted(Path(path).rglob(SUMMARY_FILE)):
+        run_dir = summary_path.parent
+        summary = read_summary(run_dir) or {}
+        row: dict[str, Any] = {"run_dir": str(run_dir)}
+        row.update(summary.get("choices", {}))
+        row.update(overrides(run_dir))
+        row.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _nan_to_none(obj: Any) -> Any:
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_nan_to_none(v) for v in obj]
+    return obj

@@ -1,0 +1,168 @@
+"""kvbench's main job: build model, allocator, scheduler and engine from the config, replay a
+trace, write the result tables and the summary, print the summary.
+
+    kvbench                                      (or python -m harness.run)
+    kvbench allocator=radix trace=shared_prefix
+    kvbench -m allocator=free_list,radix trace.rate=1,2,4 [hydra/launcher=joblib]
+
+Hydra owns the folders (``conf/config.yaml``: ``results/<experiment_name>/runs/<time>`` and
+``results/<experiment_name>/multiruns/<sweep_id>/<overrides>``). A multirun job whose folder
+already holds a summary.json for the same overrides is skipped, so re-running an interrupted
+sweep with its ``sweep_id`` completes only the missing jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from allocators.base import BlockAllocator
+from harness import machine, results
+from harness.clock import VirtualClock, WallClock
+from harness.config import validate
+from harness.engine import LLMEngine
+from harness.metrics import format_summary, requests_frame, steps_frame, summarize
+from harness.models import LoadedModel
+from harness.replay import check_vocab, replay
+from schedulers.base import Scheduler
+
+log = logging.getLogger(__name__)
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CLOCKS = {"virtual": VirtualClock, "wall": WallClock}
+
+
+class SweepMismatchError(RuntimeError):
+    """A sweep job's folder holds a finished run of different overrides."""
+
+
+def build_engine(
+    model: LoadedModel,
+    allocator: Callable[..., BlockAllocator],
+    scheduler: Callable[..., Scheduler],
+    *,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    kv_cache_bytes: int | None = None,
+    clock: Literal["virtual", "wall"] = "virtual",
+    seed: int = 0,
+) -> LLMEngine:
+    """The ``engine`` config group's target: ``LLMEngine.build`` with the clock named."""
+    return LLMEngine.build(
+        model,
+        allocator,
+        scheduler,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_cache_bytes=kv_cache_bytes,
+        clock=CLOCKS[clock](),
+        seed=seed,
+    )
+
+
+def run(
+    cfg: DictConfig,
+    output_dir: str | Path,
+    *,
+    overrides: Sequence[str] = (),
+    choices: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run one experiment and write its files into ``output_dir``; return the summary written.
+
+    The config is validated before anything is built. If the replay fails or is interrupted,
+    the rows recorded so far are still written (requests.parquet, steps.parquet) but no
+    summary.json, so the run counts as unfinished and a sweep re-run repeats it.
+    """
+    validate(cfg)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = instantiate(cfg.trace.generator, _convert_="all")
+    model = instantiate(cfg.model)
+    check_vocab(trace, model.vocab_size)
+    engine = instantiate(cfg.engine)(model, instantiate(cfg.allocator), instantiate(cfg.scheduler))
+    started = time.perf_counter()
+    try:
+        replay(engine, trace, progress=cfg.progress)
+    except BaseException:
+        log.error(
+            "replay failed: writing the %d finished requests' rows to %s",
+            len(engine.recorder.requests),
+            out,
+        )
+        results.write_tables(out, *_tables(engine))
+        raise
+    wall_time = time.perf_counter() - started
+    requests, steps = _tables(engine)
+    results.write_tables(out, requests, steps)
+    summary = summarize(requests, steps, clock=engine.clock.name)
+    summary.update(
+        wall_time=wall_time,
+        num_requests=len(trace),
+        max_prefix_hit_rate=trace.metadata.get("max_prefix_hit_rate"),
+        model_name=model.name,
+        num_blocks=engine.allocator.num_blocks,
+        block_size=engine.allocator.block_size,
+        choices=dict(choices or {}),
+        overrides=list(overrides),
+        trace_metadata=trace.metadata,
+        machine=machine.info(),
+    )
+    results.write_summary(out, summary)
+    return summary
+
+
+def _tables(engine: LLMEngine):
+    return requests_frame(engine.recorder.requests), steps_frame(engine.recorder.steps)
+
+
+def finished_run(output_dir: str | Path, overrides: Sequence[str], ignore: Sequence[str] = ()):
+    """The summary of a finished run of the same overrides in ``output_dir``, else None.
+
+    Raises ``SweepMismatchError`` if the folder holds a run of other overrides: skipping it
+    would silently report the wrong configuration.
+    """
+    done = results.read_summary(output_dir)
+    if done is None:
+        return None
+
+    def key(items: Sequence[str]) -> set[str]:
+        return {o for o in items if o.partition("=")[0].lstrip("+~") not in ignore}
+
+    if key(done.get("overrides", [])) != key(overrides):
+        raise SweepMismatchError(
+            f"{output_dir} already holds a finished run of {sorted(done.get('overrides', []))}, "
+            f"not {sorted(overrides)}: use a new sweep_id (or delete that folder)"
+        )
+    return done
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """The ``kvbench`` console script: one job of a run or of a sweep."""
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir)
+    overrides = list(hc.overrides.task)
+    if hc.mode == RunMode.MULTIRUN:
+        ignore = list(hc.job.config.override_dirname.exclude_keys)
+        done = finished_run(out, overrides, ignore)
+        if done is not None:
+            log.info("skipped: %s already holds a finished run", out)
+            return done
+    choices = {g: c for g, c in hc.runtime.choices.items() if not g.startswith("hydra")}
+    summary = run(cfg, out, overrides=overrides, choices=choices)
+    print(format_summary(summary))
+    print(f"results: {out}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

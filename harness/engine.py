@@ -153,8 +153,9 @@ class LLMEngine:
                 self._pending.append(self._output(seq))
 
     def has_unfinished_requests(self) -> bool:
+        """True while a request runs or waits, or an abort's output is not yet returned."""
         with self._lock:
-            return self.scheduler.has_unfinished()
+            return self.scheduler.has_unfinished() or bool(self._pending)
 
     def get_num_unfinished_requests(self) -> int:
         with self._lock:
@@ -212,7 +213,7 @@ class LLMEngine:
         for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
             self.add_request(rid, prompt, params)
         final: dict[str, RequestOutput] = {}
-        while self.has_unfinished_requests() or self._pending:
+        while self.has_unfinished_requests():
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +40,13 @@ log = logging.getLogger(__name__)
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 CLOCKS = {"virtual": VirtualClock, "wall": WallClock}
+
+# conf/hydra/launcher/{ray,submitit_slurm}.yaml keep the plugins' option names, so Hydra
+# validates them against the plugins' schemas of the same name and warns that this matching
+# is deprecated; it is supported throughout hydra-core 1.3, the range pyproject allows.
+warnings.filterwarnings(
+    "ignore", message=r"'hydra/launcher/\w+' is validated against ConfigStore schema"
+)
 
 
 class SweepMismatchError(RuntimeError):

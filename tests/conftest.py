@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-import harness  # noqa: F401  (first: switches MLX to MKL before any test imports mlx)
+import harness  # noqa: F401  (switches MLX to MKL before a test module imports mlx)
 from harness.run import CONFIG_DIR
 
 REPO = Path(__file__).resolve().parent.parent

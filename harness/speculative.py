@@ -77,7 +77,6 @@ class DraftProposer:
         )
         self.runner = ModelRunner(draft, self.arena)
         self._computed: dict[str, int] = {}  # tokens of each sequence with draft KV
-        self.forward_time = 0.0  # cumulative, for cost measurements
 
     def propose(self, work: Sequence[tuple[Seq, int]], row_for: RowFor) -> list[Proposal]:
         """Up to ``k`` draft tokens for each ``(seq, k)``; fewer (none) when the draft's arena
@@ -92,9 +91,7 @@ class DraftProposer:
         for j in range(max((work[i][1] for i in live), default=0)):
             batch = [i for i in live if work[i][1] > j]
             rows = [self._row(work[i][0], proposals[i], j) for i in batch]
-            result = self.runner.forward(rows)
-            self.forward_time += result.build_time + result.forward_time
-            table = np.array(result.logits)
+            table = np.array(self.runner.forward(rows).logits)
             for b, i in enumerate(batch):
                 seq, proposal = work[i][0], proposals[i]
                 row = row_for(seq, proposal.tokens)

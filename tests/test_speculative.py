@@ -165,6 +165,25 @@ def test_stops_inside_accepted_drafts_drop_what_follows(model, prompts):
     assert_all_free(engine)
 
 
+def test_model_length_limit_holds_with_drafts(model, prompts):
+    limits = dict(max_model_len=70, max_num_batched_tokens=128)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    plain = LLMEngine.build(
+        model, FreeListAllocator, partial(FCFSScheduler, **limits), block_size=16, num_blocks=64
+    )
+    expected = tokens(plain.generate(prompts, params))
+    engine = spec_engine(model, draft=partial(noisy_copy, scale=0.0), k=8, **limits)
+    assert tokens(engine.generate(prompts, params)) == expected
+    assert [len(p) + len(t) for p, t in zip(prompts, expected, strict=True)] == [
+        65,
+        70,
+        70,
+        70,
+        70,
+        70,
+    ]
+
+
 def test_greedy_penalties_and_logprobs_match_plain_decoding(model, prompts):
     params = SamplingParams(
         temperature=0,

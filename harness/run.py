@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -45,7 +46,7 @@ CLOCKS = {"virtual": VirtualClock, "wall": WallClock}
 # validates them against the plugins' schemas of the same name and warns that this matching
 # is deprecated; it is supported throughout hydra-core 1.3, the range pyproject allows.
 warnings.filterwarnings(
-    "ignore", message=r"'hydra/launcher/\w+' is validated against ConfigStore schema"
+    "ignore", message=r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema"
 )
 
 
@@ -93,10 +94,10 @@ def run(
     validate(cfg)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    trace = instantiate(cfg.trace.generator, _convert_="all")
-    model = instantiate(cfg.model)
+    trace = _build(cfg.trace.generator)
+    model = _build(cfg.model)
     check_vocab(trace, model.vocab_size)
-    engine = instantiate(cfg.engine)(model, instantiate(cfg.allocator), instantiate(cfg.scheduler))
+    engine = _build(cfg.engine)(model, _build(cfg.allocator), _build(cfg.scheduler))
     started = time.perf_counter()
     try:
         replay(engine, trace, progress=cfg.progress)
@@ -126,6 +127,17 @@ def run(
     )
     results.write_summary(out, summary)
     return summary
+
+
+def _build(node: DictConfig) -> Any:
+    """``instantiate``, re-raising the component's own error (TraceError, ValueError naming
+    the setting) rather than Hydra's wrapper around it."""
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as e:
+        if e.__cause__ is None:
+            raise
+        raise e.__cause__ from None
 
 
 def _tables(engine: LLMEngine):

@@ -50,6 +50,9 @@ def kvbench(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
     """Run kvbench at tiny sizes with results under ``tmp_path`` (its working directory)."""
 
     def call(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return run_kvbench(*TINY, *args, cwd=tmp_path, check=check)
+        # Hydra's flags (-m) must precede the overrides.
+        flags = [a for a in args if a.startswith("-")]
+        overrides = [a for a in args if not a.startswith("-")]
+        return run_kvbench(*flags, *TINY, *overrides, cwd=tmp_path, check=check)
 
     return call

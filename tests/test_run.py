@@ -1,0 +1,154 @@
+"""The main job: one run in-process, the kvbench command, sweeps on every local launcher, and
+an interrupted sweep finished by a re-run."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import results
+from harness.metrics import SUMMARY_KEYS, summarize
+from harness.run import SweepMismatchError, finished_run, run
+
+SWEEP_2X2 = ("allocator=free_list,radix", "scheduler=fcfs,chunked_prefill")
+
+
+def same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-9)
+    return a == b
+
+
+def assert_recomputes(run_dir: Path, summary: dict) -> None:
+    """Every summary figure equals the figure recomputed from the run's own tables."""
+    requests, steps = results.load_tables(run_dir)
+    again = summarize(requests, steps, clock=summary["clock"])
+    for key in SUMMARY_KEYS:
+        assert same(summary[key], again[key]), (key, summary[key], again[key])
+
+
+def test_run_writes_tables_and_summary(compose_cfg, tmp_path: Path) -> None:
+    summary = run(compose_cfg(["allocator=radix"]), tmp_path, overrides=["allocator=radix"])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["requests.parquet", "steps.parquet", "summary.json"]  # no temp files
+    written = results.read_summary(tmp_path)
+    assert set(written) == set(summary)
+    assert all(same(written[k], summary[k]) for k in SUMMARY_KEYS)
+    assert summary["clock"] == "virtual" and summary["completed"] == 6
+    assert summary["num_requests"] == 6 and summary["overrides"] == ["allocator=radix"]
+    assert summary["machine"]["blas"]["blas"] and summary["machine"]["mlx"]
+    assert 0 <= summary["max_prefix_hit_rate"] <= 1
+    assert_recomputes(tmp_path, summary)
+
+
+def test_wall_clock_replays_in_real_time(compose_cfg, tmp_path: Path) -> None:
+    started = time.perf_counter()
+    summary = run(compose_cfg(["engine.clock=wall"]), tmp_path)
+    elapsed = time.perf_counter() - started
+    requests, _ = results.load_tables(tmp_path)
+    assert summary["clock"] == "wall"
+    last_arrival = requests["arrival_time"].max() - requests["arrival_time"].min()
+    assert elapsed >= last_arrival  # the replay waited for the last arrival
+    assert_recomputes(tmp_path, summary)
+
+
+def test_kvbench_command_prints_the_summary(kvbench, tmp_path: Path) -> None:
+    proc = kvbench("allocator=buddy")
+    assert "TTFT (virtual clock)" in proc.stdout and "Requests completed / aborted" in proc.stdout
+    (run_dir,) = (tmp_path / "results" / "default" / "runs").iterdir()
+    assert f"results: {run_dir}" in proc.stdout
+    assert (run_dir / ".hydra" / "overrides.yaml").exists()
+    assert results.read_summary(run_dir)["choices"]["allocator"] == "buddy"
+
+
+def test_sweep_2x2_and_results_load(kvbench, tmp_path: Path) -> None:
+    kvbench("-m", *SWEEP_2X2, "sweep_id=s")
+    table = results.load(tmp_path / "results")
+    assert len(table) == 4
+    pairs = set(zip(table["allocator"], table["scheduler"]))
+    assert pairs == {(a, s) for a in ("free_list", "radix") for s in ("fcfs", "chunked_prefill")}
+    for row in table.to_dict("records"):
+        assert Path(row["run_dir"]).parent == tmp_path / "results/default/multiruns/s"
+        assert row["completed"] == 6
+        assert_recomputes(Path(row["run_dir"]), row)
+
+
+def test_sweep_with_joblib_launcher(kvbench, tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="kvbench[joblib] needed")
+    kvbench("-m", "allocator=free_list,contiguous", "trace.rate=4,16", "hydra/launcher=joblib")
+    table = results.load(tmp_path / "results")
+    assert len(table) == 4
+    assert sorted(table["trace.rate"]) == [4, 4, 16, 16]
+    assert (table["completed"] == 6).all()
+
+
+@pytest.mark.slow  # starting a local Ray instance takes ~20 s here
+def test_sweep_with_ray_launcher_on_a_local_instance(kvbench, tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="kvbench[ray] needed")
+    kvbench(
+        "-m",
+        "allocator=free_list,buddy",
+        "hydra/launcher=ray",
+        "hydra.launcher.ray.init.num_cpus=2",
+    )
+    table = results.load(tmp_path / "results")
+    assert sorted(table["allocator"]) == ["buddy", "free_list"]
+    for row in table.to_dict("records"):
+        assert row["completed"] == 6
+        assert_recomputes(Path(row["run_dir"]), row)
+
+
+def test_interrupted_sweep_rerun_completes_only_missing_jobs(tmp_path: Path) -> None:
+    from conftest import TINY
+
+    # Longer jobs (40 requests each) so the interrupt lands while the sweep is running.
+    args = ["-m", *TINY, "trace.num_requests=40", *SWEEP_2X2, "sweep_id=s"]
+    sweep = tmp_path / "results/default/multiruns/s"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.run", *args],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while len(list(sweep.glob("*/summary.json"))) < 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, "the sweep made no progress"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) != 0
+    finally:
+        proc.kill()
+    before = {p.parent.name: p.stat().st_mtime_ns for p in sweep.glob("*/summary.json")}
+    assert 2 <= len(before) < 4, f"interrupt landed too late: {sorted(before)}"
+
+    rerun = subprocess.run(
+        [sys.executable, "-m", "harness.run", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    after = {p.parent.name: p.stat().st_mtime_ns for p in sweep.glob("*/summary.json")}
+    assert len(after) == 4
+    assert all(after[name] == mtime for name, mtime in before.items())  # not re-run
+    assert rerun.stdout.count("skipped:") == len(before)
+    assert rerun.stdout.count("Requests completed / aborted") == 4 - len(before)
+    assert len(results.load(sweep)) == 4
+
+
+def test_a_folder_holding_other_overrides_is_never_skipped(tmp_path: Path) -> None:
+    summary = {"overrides": ["allocator=radix", "sweep_id=a"], "clock": "virtual"}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert finished_run(tmp_path, ["sweep_id=b", "allocator=radix"], ignore=["sweep_id"])
+    assert finished_run(tmp_path / "missing", ["allocator=radix"]) is None
+    with pytest.raises(SweepMismatchError, match="new sweep_id"):
+        finished_run(tmp_path, ["allocator=buddy"], ignore=["sweep_id"])

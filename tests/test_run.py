@@ -72,7 +72,7 @@ def test_sweep_2x2_and_results_load(kvbench, tmp_path: Path) -> None:
     kvbench("-m", *SWEEP_2X2, "sweep_id=s")
     table = results.load(tmp_path / "results")
     assert len(table) == 4
-    pairs = set(zip(table["allocator"], table["scheduler"]))
+    pairs = set(zip(table["allocator"], table["scheduler"], strict=True))
     assert pairs == {(a, s) for a in ("free_list", "radix") for s in ("fcfs", "chunked_prefill")}
     for row in table.to_dict("records"):
         assert Path(row["run_dir"]).parent == tmp_path / "results/default/multiruns/s"

@@ -16,8 +16,10 @@ from harness.sampling import SamplingParams
 from harness.traces import Trace, TraceError, TraceRequest
 
 
-def check_vocab(trace: Trace, vocab_size: int) -> None:
-    """Fail before any work if a prompt token id is outside the model's vocabulary."""
+def check_trace(trace: Trace, vocab_size: int) -> None:
+    """Fail before any work on what a generated trace's own checks cannot know: a prompt
+    token id outside the model's vocabulary, or an SLO that is not a positive number (a
+    config knob such as ``trace.ttft_slo`` passed through untyped)."""
     for req in trace:
         bad = max(req.prompt_token_ids)
         if bad >= vocab_size:
@@ -26,6 +28,14 @@ def check_vocab(trace: Trace, vocab_size: int) -> None:
                 f"the model's vocabulary [0, {vocab_size}); generate the trace with "
                 f"vocab_size <= {vocab_size} (trace.vocab_size) or pick a larger model"
             )
+        for name in ("ttft_slo", "tpot_slo"):
+            slo = getattr(req, name)
+            number = isinstance(slo, (int, float)) and not isinstance(slo, bool)
+            if slo is not None and not (number and slo > 0):
+                raise TraceError(
+                    f"request {req.request_id!r}: field {name!r} is {slo!r}; an SLO is a "
+                    f"number of seconds > 0 (check trace.{name} or the trace's slos)"
+                )
 
 
 def sampling_params(req: TraceRequest) -> SamplingParams:

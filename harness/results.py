@@ -30,6 +30,7 @@ STEPS_FILE = "steps.parquet"
 def _atomic(path: Path, write: Callable[[str], None]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
+    os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; results are read by others, like .hydra/
     try:
         write(tmp)
         os.replace(tmp, path)

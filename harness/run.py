@@ -34,7 +34,7 @@ from harness.config import validate
 from harness.engine import LLMEngine
 from harness.metrics import format_summary, requests_frame, steps_frame, summarize
 from harness.models import LoadedModel
-from harness.replay import check_vocab, replay
+from harness.replay import check_trace, replay
 from schedulers.base import Scheduler
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     trace = _build(cfg.trace.generator)
     model = _build(cfg.model)
-    check_vocab(trace, model.vocab_size)
+    check_trace(trace, model.vocab_size)
     engine = _build(cfg.engine)(model, _build(cfg.allocator), _build(cfg.scheduler))
     started = time.perf_counter()
     try:

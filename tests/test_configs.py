@@ -182,6 +182,13 @@ def test_bad_trace_file_names_line_and_field(compose_cfg, tmp_path: Path) -> Non
     assert not list((tmp_path / "out").iterdir())  # nothing written
 
 
+def test_untyped_trace_knob_fails_before_replay(compose_cfg, tmp_path: Path) -> None:
+    cfg = compose_cfg(["trace=poisson", "trace.num_requests=6", "trace.tpot_slo=abc"])
+    with pytest.raises(TraceError, match=r"field 'tpot_slo' is 'abc'.*trace\.tpot_slo"):
+        run(cfg, tmp_path / "o")
+    assert not list((tmp_path / "o").iterdir())
+
+
 def test_trace_tokens_outside_the_vocabulary_fail_before_replay(compose_cfg, tmp_path) -> None:
     trace = instantiate(compose_cfg(["trace.vocab_size=5000"]).trace.generator, _convert_="all")
     save(trace, tmp_path / "big.parquet")

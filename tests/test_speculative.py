@@ -25,7 +25,9 @@ from harness.engine import LLMEngine
 from harness.models import noisy_copy, random_model
 from harness.sampling import SampleRow, SamplingParams, adjust_logits, filtered_probs
 from harness.speculative import Proposal, accept_or_resample, verify
+from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
+from schedulers.priority import PriorityScheduler
 from schedulers.speculative import SpeculativeScheduler, simultaneous
 
 ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAllocator]
@@ -60,11 +62,12 @@ def spec_engine(
     block_size=16,
     num_blocks=256,
     max_num_seqs=8,
+    policy=FCFSScheduler,
     **base,
 ):
     scheduler = partial(
         SpeculativeScheduler,
-        base=partial(FCFSScheduler, max_num_seqs=max_num_seqs, **base),
+        base=partial(policy, max_num_seqs=max_num_seqs, **base),
         num_draft_tokens=k,
         draft=draft,
     )
@@ -126,6 +129,28 @@ def test_preemption_frees_draft_kv_and_keeps_tokens(model, allocator):
     assert tokens(engine.generate(prompts, GREEDY)) == plain
     assert sum(r["preemptions"] for r in engine.recorder.requests) > 0
     assert sum(r["spec_proposed"] for r in engine.recorder.requests) > 0
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        partial(FCFSScheduler, preemption_mode="swap"),
+        partial(PriorityScheduler, victim="shortest_remaining"),
+        partial(ChunkedPrefillScheduler, max_chunk=6, max_num_batched_tokens=48),
+    ],
+    ids=["fcfs-swap", "priority", "chunked-prefill"],
+)
+def test_any_base_policy_keeps_greedy_tokens(model, policy):
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, 1024, 60).tolist() for _ in range(8)]
+    plain = tokens(plain_engine(model).generate(prompts, GREEDY))
+    engine = spec_engine(
+        model, draft=partial(noisy_copy, scale=0.02), block_size=4, num_blocks=128, policy=policy
+    )
+    assert tokens(engine.generate(prompts, GREEDY)) == plain
+    assert sum(r["preemptions"] for r in engine.recorder.requests) > 0
+    assert sum(r["spec_accepted"] for r in engine.recorder.requests) > 0
     assert_all_free(engine)
 
 

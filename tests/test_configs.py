@@ -118,7 +118,7 @@ def test_experiment_bundles_compose(compose_cfg, name: str) -> None:
 
 
 @pytest.mark.parametrize("launcher", options("hydra/launcher"))
-@pytest.mark.filterwarnings("ignore:.hydra/launcher/.* is validated against ConfigStore schema")
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Hydra: schema matched by name
 def test_launcher_configs_name_an_importable_launcher(launcher: str) -> None:
     from hydra import compose, initialize_config_dir
     from hydra.utils import get_class

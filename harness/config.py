@@ -39,7 +39,7 @@ class ConfigError(ValueError):
 
 def validate(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first problem in ``cfg``; return quietly if it is sound."""
-    expected = set(GROUPS) | set(SETTINGS) | {"experiment"}
+    expected = set(GROUPS) | set(SETTINGS)
     for key in cfg:
         if key not in expected:
             raise ConfigError(f"{key} is not a kvbench setting{_did_you_mean(key, expected)}")

@@ -105,6 +105,7 @@ def test_sweep_with_ray_launcher_on_a_local_instance(kvbench, tmp_path: Path) ->
         assert_recomputes(Path(row["run_dir"]), row)
 
 
+@pytest.mark.slow  # a 4-job sweep of 40-request jobs, run about 1.5 times: ~30 s here
 def test_interrupted_sweep_rerun_completes_only_missing_jobs(tmp_path: Path) -> None:
     from conftest import TINY
 

@@ -172,10 +172,9 @@ class LLMEngine:
             for seq, reason in plan.rejected:
                 self._finish(seq, "abort", now, abort_reason=reason)
                 outputs.append(self._output(seq))
-            swap_time = self._swap(plan)
+            swap_time = self._move_blocks(plan)
             forward_time = build_time = 0.0
             if plan.scheduled:
-                self.runner.copy_blocks(plan.copies)
                 result = self.runner.forward(self._rows(plan))
                 forward_time, build_time = result.forward_time, result.build_time
                 elapsed = time.perf_counter() - start
@@ -190,16 +189,22 @@ class LLMEngine:
                 self.clock.wait_until(plan.hold_until)
             return outputs
 
-    def _swap(self, plan: SchedulerOutput) -> float:
-        """Move swapped KV between the arena and host copies; the seconds it took."""
-        if not plan.swapped_out and not plan.swapped_in:
-            return 0.0
-        start = time.perf_counter()
-        for s in plan.swapped_out:  # read first: the allocator may reuse these blocks now
-            self._host[s.seq.request_id] = self.arena.swap_out(s.blocks)
-        for s in plan.swapped_in:
-            self.arena.swap_in(self._host.pop(s.seq.request_id), s.blocks, s.first)
-        return time.perf_counter() - start
+    def _move_blocks(self, plan: SchedulerOutput) -> float:
+        """Swap-outs, block copies, swap-ins: each block is read before a later op (or the
+        forward) reuses it. Returns the seconds the swaps took."""
+        swap_time = 0.0
+        if plan.swapped_out:
+            start = time.perf_counter()
+            for s in plan.swapped_out:
+                self._host[s.seq.request_id] = self.arena.swap_out(s.blocks)
+            swap_time += time.perf_counter() - start
+        self.runner.copy_blocks(plan.copies)  # a source may be a block a swap-in reuses
+        if plan.swapped_in:
+            start = time.perf_counter()
+            for s in plan.swapped_in:
+                self.arena.swap_in(self._host.pop(s.seq.request_id), s.blocks, s.first)
+            swap_time += time.perf_counter() - start
+        return swap_time
 
     def generate(
         self,

@@ -60,7 +60,7 @@ class SwapOut:
     """Copy device ``blocks`` (``seq``'s table, in order) to a host copy of ``seq``.
 
     The allocator already counts them free and may hand them out in this same step, so the
-    engine reads them before it applies any swap-in, block copy or forward.
+    engine reads them before it applies any block copy, swap-in or forward.
     """
 
     seq: Sequence
@@ -80,12 +80,13 @@ class SwapIn:
 
 @dataclass
 class SchedulerOutput:
-    """One step's decision; the engine applies it in field order.
+    """One step's decision.
 
-    ``swapped_out`` first (read), then ``swapped_in`` (write), then ``copies``, then the
-    forward over ``scheduled``. ``rejected`` sequences can never run and hold nothing.
-    ``hold_until`` is set when nothing runs on purpose (a batch of ``min_batch_size`` is
-    forming): nothing will change before that time unless a request arrives.
+    The engine applies ``swapped_out`` first (read), then ``copies``, then ``swapped_in``
+    (write), then the forward over ``scheduled`` (a sequence swapped in runs from the next
+    step). ``rejected`` sequences can never run and hold nothing. ``hold_until`` is set when
+    nothing runs on purpose (a batch of ``min_batch_size`` is forming): nothing changes
+    before that time unless a request arrives.
     """
 
     scheduled: list[Scheduled] = field(default_factory=list)
@@ -265,14 +266,18 @@ class Scheduler(ABC):
         return budget, pressure
 
     def _bring_in(self, out: SchedulerOutput, budget: int, now: float, reserve: int) -> int:
-        """Swap in, then admit, in ``_incoming_order``; the first that does not fit stops it."""
+        """Swap in, then admit, in ``_incoming_order``; the first that does not fit stops it.
+
+        A swapped-in sequence gets its blocks and host copy back now and runs from the next
+        step: the engine writes it after this step's block copies, whose sources may be the
+        very blocks it gets (a region that relocated this step)."""
         just_preempted = {id(s) for s, _ in out.preempted}
         for seq in self._incoming_order():
-            if len(self.running) >= self.max_num_seqs or budget <= 0:
+            swapped = seq.status is Status.SWAPPED
+            if len(self.running) >= self.max_num_seqs or (budget <= 0 and not swapped):
                 break
             if id(seq) in just_preempted:
                 break  # it made room for someone this step; do not undo that
-            swapped = seq.status is Status.SWAPPED
             if not swapped and (reason := self._never_fits(seq)):
                 self.waiting.remove(seq)
                 out.rejected.append((seq, reason))
@@ -282,45 +287,50 @@ class Scheduler(ABC):
             cached = self.allocator.match_prefix(seq.request_id, seq.token_ids[: computed + 1])
             if not swapped:
                 seq.num_computed_tokens = cached
-            n = self._chunk(seq, budget)
-            alloc = self._take(seq, cached, n, reserve) if n > 0 else None
+            n = 0 if swapped else self._chunk(seq, budget)
+            alloc = self._take(seq, cached, reserve) if n > 0 or swapped else None
             if alloc is None:
                 self.allocator.free(seq.request_id)  # drop the prefix references taken above
                 if not swapped:
                     seq.num_computed_tokens = 0
-                if n > 0 and not self.running:
+                if (n > 0 or swapped) and not self.running:
                     # Nothing else holds blocks: it will never fit.
                     (self.swapped if swapped else self.waiting).remove(seq)
                     self.host_blocks.pop(seq.request_id, None)
-                    need = seq.num_computed_tokens + n
+                    need = seq.num_computed_tokens if swapped else seq.num_tokens
                     out.rejected.append((seq, f"{need} KV slots do not fit in the empty arena"))
                     continue
                 break
+            self.running.append(seq)
+            seq.status = Status.RUNNING
             if swapped:
                 self.swapped.remove(seq)
                 host = self.host_blocks.pop(seq.request_id)
                 first = cached // self.allocator.block_size
                 out.swapped_in.append(SwapIn(seq, alloc.block_table[first:host], first))
-            else:
-                self.waiting.remove(seq)
-                if seq.num_cached_tokens is None:
-                    seq.num_cached_tokens = cached
-                if seq.first_scheduled_time is None:
-                    seq.first_scheduled_time = now
-            self.running.append(seq)
-            seq.status = Status.RUNNING
+                continue
+            self.waiting.remove(seq)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = cached
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
             budget = self._run(out, seq, n, alloc, budget)
         return budget
 
-    def _take(self, seq: Sequence, cached: int, n: int, reserve: int) -> Allocation | None:
-        """Slots for an incoming ``seq`` (``cached`` of them shared from the prefix cache) and
-        its ``n`` new tokens, if ``reserve`` blocks and the watermark stay free."""
-        bs, total = self.allocator.block_size, seq.num_computed_tokens + n
-        need = blocks_for(total, bs) - cached // bs
+    def _take(self, seq: Sequence, cached: int, reserve: int) -> Allocation | None:
+        """Blocks for all the tokens of an incoming ``seq`` (``cached`` of them shared from
+        the prefix cache), if ``reserve`` blocks and the watermark stay free.
+
+        A prompt gets all its blocks at admission even when it computes only a chunk now (as
+        vLLM v0 does with chunked prefill): chunked prefills that each hold part of their
+        prompt could otherwise preempt each other forever, and a region allocator could
+        leave a lone prefill unable to grow."""
+        bs = self.allocator.block_size
+        whole = seq.num_computed_tokens if seq.status is Status.SWAPPED else seq.num_tokens
         keep = reserve + (self.watermark_blocks if self.running else 0)
-        if self.allocator.num_free_blocks() - need < keep:
+        if self.allocator.num_free_blocks() - (blocks_for(whole, bs) - cached // bs) < keep:
             return None
-        return self.allocator.allocate(seq.request_id, total)
+        return self.allocator.allocate(seq.request_id, whole)
 
     @staticmethod
     def _run(out: SchedulerOutput, seq: Sequence, n: int, alloc: Allocation, budget: int) -> int:

@@ -11,7 +11,9 @@ earlier chunks wrote::
     prompt c (10 tokens)      c[0:4]       c[4:8]       c[8:10] -> first token
     prompt d (3 tokens)       d[0:2]       d[2:3] ...
 
-Admission and preemption are FCFS's (the latest admitted is the victim).
+Admission and preemption are FCFS's (the latest admitted is the victim). A prompt gets all
+its blocks when it is admitted and its chunks fill them (vLLM v0's choice), so chunked
+prefills never preempt each other mid-prompt.
 """
 
 from __future__ import annotations

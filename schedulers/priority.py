@@ -59,6 +59,11 @@ class PriorityScheduler(Scheduler):
         # Swapped first among equals; otherwise a swapped request waits its turn.
         return sorted(self.swapped + list(self.waiting), key=self.rank)
 
+    def _running_order(self) -> list[Sequence]:
+        # The most important grow first, so the least important are still unscheduled (and
+        # so can be victims) when blocks run out.
+        return sorted(self.running, key=self.rank)
+
     def _victim(self, candidates: list[Sequence]) -> Sequence:
         latest = self.running.index
         if self.victim == "priority":

@@ -1,0 +1,273 @@
+"""Policy behaviour: priority order, victims, aging and preemption for priority; chunked
+prefill's budget and decode fairness; prefill-first; batch constraints; the swap copy."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+import harness  # noqa: F401  (BLAS switch before mlx)
+from allocators.free_list import FreeListAllocator
+from harness.engine import LLMEngine
+from harness.kv_cache import KVArena
+from harness.models import random_model
+from harness.request import Sequence
+from harness.sampling import SamplingParams
+from schedulers.chunked_prefill import ChunkedPrefillScheduler
+from schedulers.fcfs import FCFSScheduler
+from schedulers.priority import PriorityScheduler
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("llama", "tiny", seed=0)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 1024, n).tolist()
+
+
+def mlx_lm_tokens(model, tokens: list[int], n: int) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(tokens), model.model, max_tokens=n)]
+
+
+def build(model, policy, *, num_blocks, block_size=4, **kwargs):
+    return LLMEngine.build(
+        model,
+        FreeListAllocator,
+        partial(policy, **kwargs),
+        block_size=block_size,
+        num_blocks=num_blocks,
+    )
+
+
+def run(engine, limit=2000):
+    done = {}
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            return done
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    raise AssertionError("requests did not finish")
+
+
+# -- priority -------------------------------------------------------------------------------
+def test_priority_order_ties_by_arrival():
+    sched = PriorityScheduler(FreeListAllocator(num_blocks=8, block_size=4))
+    for i, (prio, arrival) in enumerate(zip([2, 1, 1, 0], [1, 3, 2, 4], strict=True)):
+        sched.add(Sequence(str(i), [1, 2], greedy(1), arrival_time=arrival, priority=prio))
+    assert [s.request_id for s in sched._waiting_order()] == ["3", "2", "1", "0"]
+
+
+def test_priority_admission_order_in_the_engine(model):
+    engine = build(model, PriorityScheduler, num_blocks=64, max_num_seqs=1)
+    for i, (prio, arrival) in enumerate(zip([2, 1, 1, 0], [1, 3, 2, 4], strict=True)):
+        engine.add_request(str(i), prompt(5, i), greedy(2), arrival_time=arrival, priority=prio)
+    run(engine)
+    rows = sorted(engine.recorder.requests, key=lambda r: r["first_scheduled_time"])
+    assert [r["request_id"] for r in rows] == ["3", "2", "1", "0"]
+
+
+def test_aging_lets_an_old_low_priority_request_go_first():
+    def order(rate):
+        sched = PriorityScheduler(FreeListAllocator(num_blocks=8, block_size=4), aging_rate=rate)
+        sched.add(Sequence("old", [1], greedy(1), arrival_time=0.0, priority=5))
+        sched.add(Sequence("new", [1], greedy(1), arrival_time=10.0, priority=0))
+        return [s.request_id for s in sched._waiting_order()]
+
+    assert order(0.0) == ["new", "old"]
+    assert order(1.0) == ["old", "new"]  # effective 5 - 10 beats 0 - 0 after 10 s of waiting
+
+
+@pytest.mark.parametrize("victim, expected", [("priority", "low"), ("fcfs", "mid")])
+def test_memory_pressure_preempts_the_chosen_victim(model, victim, expected):
+    """'low' (priority 2) is admitted first and runs long; 'high' and 'mid' (0 and 1) join
+    later. When blocks run out, the priority victim is 'low' (although admitted first);
+    the fcfs victim is the latest admitted, 'mid'. Tokens stay mlx_lm's either way."""
+    engine = build(
+        model,
+        PriorityScheduler,
+        num_blocks=10,
+        victim=victim,
+        preempt_lower=False,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+    )
+    lens = {"low": (8, 20), "high": (8, 8), "mid": (8, 8)}
+    engine.add_request("low", prompt(8, 0), greedy(20), priority=2)
+    engine.step()
+    engine.add_request("high", prompt(8, 1), greedy(8), priority=0)
+    engine.add_request("mid", prompt(8, 2), greedy(8), priority=1)
+    done = run(engine)
+    preempted = {r["request_id"] for r in engine.recorder.requests if r["preemptions"]}
+    assert preempted == {expected}
+    for rid, (n, m) in lens.items():
+        seed = list(lens).index(rid)
+        assert done[rid].outputs[0].token_ids == mlx_lm_tokens(model, prompt(n, seed), m)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_higher_priority_arrival_preempts_a_lower_running_one(model, mode):
+    engine = build(model, PriorityScheduler, num_blocks=8, preemption_mode=mode)
+    engine.add_request("low", prompt(14, 0), greedy(10), priority=5)
+    engine.step()  # 'low' holds 4 of 8 blocks
+    engine.add_request("high", prompt(20, 1), greedy(4), priority=0)  # 5 blocks: 4 are free
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["high"]
+    done = run(engine)
+    assert done["low"].outputs[0].token_ids == mlx_lm_tokens(model, prompt(14, 0), 10)
+    assert done["high"].outputs[0].token_ids == mlx_lm_tokens(model, prompt(20, 1), 4)
+    rows = {r["request_id"]: r for r in engine.recorder.requests}
+    assert rows["low"]["preemptions"] == 1 and rows["high"]["preemptions"] == 0
+    assert rows["high"]["finish_time"] < rows["low"]["finish_time"]
+
+
+# -- chunked prefill ------------------------------------------------------------------------
+def test_chunked_prefill_keeps_the_budget_and_never_starves_decodes(model):
+    budget, chunk = 16, 8
+    engine = build(
+        model,
+        ChunkedPrefillScheduler,
+        num_blocks=128,
+        max_chunk=chunk,
+        max_num_batched_tokens=budget,
+        max_num_seqs=4,
+        max_model_len=512,
+    )
+    plans = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda now: plans.append(schedule(now)) or plans[-1]
+    for i in range(3):
+        engine.add_request(f"d{i}", prompt(4, i), greedy(30))
+    engine.step()  # the three short prompts prefill; from now on they decode
+    engine.add_request("long", prompt(200, 9), greedy(3))
+    done = run(engine)
+    steps = engine.recorder.steps
+    assert all(s["prefill_tokens"] + s["decode_tokens"] <= budget for s in steps)
+    assert all(s.num_new_tokens <= chunk for p in plans for s in p.scheduled)
+    # While the long prompt prefills (25 chunks of 8), each short request decodes every step.
+    long_steps = [
+        p
+        for p in plans
+        if any(s.seq.request_id == "long" and s.num_new_tokens > 1 for s in p.scheduled)
+    ]
+    assert len(long_steps) == 200 // chunk
+    for p in long_steps:
+        decoding = {s.seq.request_id for s in p.scheduled if s.num_new_tokens == 1}
+        assert decoding == {"d0", "d1", "d2"}
+    assert done["long"].outputs[0].token_ids == mlx_lm_tokens(model, prompt(200, 9), 3)
+    for i in range(3):
+        assert done[f"d{i}"].outputs[0].token_ids == mlx_lm_tokens(model, prompt(4, i), 30)
+
+
+def test_chunked_budget_must_cover_one_decode_per_sequence():
+    with pytest.raises(ValueError, match="decodes would wait"):
+        ChunkedPrefillScheduler(
+            FreeListAllocator(num_blocks=8, block_size=4),
+            max_num_batched_tokens=8,
+            max_num_seqs=16,
+        )
+
+
+# -- FCFS order -----------------------------------------------------------------------------
+@pytest.mark.parametrize("order", ["decode_first", "prefill_first"])
+def test_prefill_first_admits_before_decodes_take_the_budget(model, order):
+    """Budget 64 = max_model_len; four requests decode when a 62-token prompt arrives.
+    Decode-first runs the 4 decodes and leaves 60 tokens: the prompt waits a step.
+    Prefill-first runs the prompt at once and 2 of the 4 decodes."""
+    engine = build(
+        model,
+        FCFSScheduler,
+        num_blocks=128,
+        order=order,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+    )
+    for i in range(4):
+        engine.add_request(f"d{i}", prompt(3, i), greedy(6))
+    engine.step()
+    engine.add_request("p", prompt(62, 7), greedy(2))
+    engine.step()
+    last = engine.recorder.steps[-1]
+    if order == "decode_first":
+        assert (last["prefill_tokens"], last["decode_tokens"]) == (0, 4)
+    else:
+        assert (last["prefill_tokens"], last["decode_tokens"]) == (62, 2)
+    done = run(engine)
+    assert done["p"].outputs[0].token_ids == mlx_lm_tokens(model, prompt(62, 7), 2)
+    for i in range(4):
+        assert done[f"d{i}"].outputs[0].token_ids == mlx_lm_tokens(model, prompt(3, i), 6)
+
+
+# -- batch constraints ----------------------------------------------------------------------
+def test_min_batch_size_waits_for_a_batch_but_not_forever(model):
+    engine = build(model, FCFSScheduler, num_blocks=64, min_batch_size=3, max_wait=0.5)
+    engine.add_request("a", prompt(5, 0), greedy(2), arrival_time=0.0)
+    engine.step()
+    assert engine.recorder.steps[-1]["batch_size"] == 0  # held: one request, not three
+    assert engine.clock.now() >= 0.5  # the virtual clock idled to the end of max_wait
+    run(engine)
+    assert engine.recorder.requests[0]["first_scheduled_time"] >= 0.5
+
+    engine = build(model, FCFSScheduler, num_blocks=64, min_batch_size=3, max_wait=0.5)
+    for i in range(3):
+        engine.add_request(str(i), prompt(5, i), greedy(2), arrival_time=0.0)
+    engine.step()
+    assert engine.recorder.steps[0]["batch_size"] == 3  # a full batch runs at once
+
+
+def test_watermark_keeps_blocks_free_for_running_sequences(model):
+    # 16 blocks, watermark 50 %: a 12-token prompt (3 blocks) is admitted only while
+    # 8 blocks stay free, so at most two run together; the first comes in regardless.
+    engine = build(model, FCFSScheduler, num_blocks=16, watermark=0.5)
+    for i in range(4):
+        engine.add_request(str(i), prompt(12, i), greedy(4))
+    done = run(engine)
+    assert max(s["num_running"] for s in engine.recorder.steps) == 2
+    for i in range(4):
+        assert done[str(i)].outputs[0].token_ids == mlx_lm_tokens(model, prompt(12, i), 4)
+
+
+@pytest.mark.parametrize(
+    "policy, kwargs, match",
+    [
+        (FCFSScheduler, {"preemption_mode": "drop"}, "preemption_mode"),
+        (FCFSScheduler, {"order": "random"}, "order"),
+        (FCFSScheduler, {"min_batch_size": 64, "max_num_seqs": 8}, "min_batch_size"),
+        (FCFSScheduler, {"max_wait": -1.0}, "max_wait"),
+        (FCFSScheduler, {"swap_blocks": 0}, "swap_blocks"),
+        (PriorityScheduler, {"victim": "oldest"}, "victim"),
+        (PriorityScheduler, {"aging_rate": -0.1}, "aging_rate"),
+        (ChunkedPrefillScheduler, {"max_chunk": 0}, "max_chunk"),
+    ],
+)
+def test_bad_options_name_the_field(policy, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        policy(FreeListAllocator(num_blocks=8, block_size=4), **kwargs)
+
+
+# -- the host copy --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_arena_swap_round_trip_is_bit_exact(dtype):
+    arena = KVArena(
+        num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype
+    )
+    for arrays in (arena.keys, arena.values):
+        for layer in range(2):
+            arrays[layer] = mx.random.normal(arrays[layer].shape).astype(dtype)
+    before = [mx.array(a) for a in arena.keys + arena.values]
+    host = arena.swap_out([4, 1, 2])
+    assert host.nbytes == 3 * KVArena.block_bytes(
+        num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype
+    )
+    arena.swap_in(host, [0, 5], first=1)  # host blocks 1, 2 (device 1, 2) -> device 0, 5
+    for old, new in zip(before, arena.keys + arena.values, strict=True):
+        assert mx.array_equal(new[0], old[1]) and mx.array_equal(new[5], old[2])
+        assert mx.array_equal(new[1:5], old[1:5])

@@ -14,7 +14,6 @@ from omegaconf import DictConfig
 import harness  # noqa: F401  (switches MLX to MKL before a test module imports mlx)
 from harness.run import CONFIG_DIR
 
-REPO = Path(__file__).resolve().parent.parent
 # Seconds-long experiments: six short requests, a small arena, no progress bar.
 TINY = ("trace=smoke", "engine.num_blocks=64", "progress=false")
 

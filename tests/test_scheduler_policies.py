@@ -113,6 +113,43 @@ def test_memory_pressure_preempts_the_chosen_victim(model, victim, expected):
         assert done[rid].outputs[0].token_ids == mlx_lm_tokens(model, prompt(n, seed), m)
 
 
+def test_victim_policies_pick_as_documented():
+    sched = PriorityScheduler(FreeListAllocator(num_blocks=8, block_size=4))
+    specs = {  # id: (priority, arrival, computed tokens, output tokens of max_tokens=10)
+        "a": (0, 0.0, 30, 2),
+        "b": (1, 1.0, 12, 9),
+        "c": (1, 2.0, 5, 1),
+    }
+    for rid, (prio, arrival, computed, outputs) in specs.items():
+        seq = Sequence(rid, [1] * (computed + 1 - outputs), greedy(10), arrival, prio)
+        seq.token_ids += [1] * outputs
+        seq.num_computed_tokens = computed
+        sched.running.append(seq)
+    expected = {
+        "priority": "c",  # lowest rank: priority 1, latest arrival
+        "fcfs": "c",  # latest admitted
+        "shortest_remaining": "b",  # 1 output token left
+        "recompute_cheapest": "c",  # 5 computed tokens
+    }
+    for policy, victim in expected.items():
+        sched.victim = policy
+        assert sched._victim(list(sched.running)).request_id == victim, policy
+    sched.victim = "recompute_cheapest"
+    assert sched._victim(sched.running[:2]).request_id == "b"
+
+
+@pytest.mark.parametrize("victim", ["priority", "fcfs", "shortest_remaining", "recompute_cheapest"])
+def test_every_victim_policy_keeps_mlx_lm_tokens(model, victim):
+    engine = build(model, PriorityScheduler, num_blocks=10, victim=victim)
+    prompts = [prompt(n, i) for i, n in enumerate([9, 14, 5, 11])]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(10), priority=i % 2)
+    done = run(engine)
+    assert sum(r["preemptions"] for r in engine.recorder.requests) > 0
+    for i, p in enumerate(prompts):
+        assert done[str(i)].outputs[0].token_ids == mlx_lm_tokens(model, p, 10)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_higher_priority_arrival_preempts_a_lower_running_one(model, mode):
     engine = build(model, PriorityScheduler, num_blocks=8, preemption_mode=mode)

@@ -112,7 +112,7 @@ def test_greedy_tokens_identical_to_mlx_lm(model, prompts, reference, allocator,
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "chunked_3"])
+@pytest.mark.parametrize("policy", ["fcfs", "fcfs_prefill_first", "priority", "chunked_3"])
 @pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)
 def test_overload_loses_nothing(model, prompts, reference, allocator, policy, mode):
     """40 requests at once (prompts repeated, mixed priorities) into 12 blocks of 8 slots:

@@ -14,7 +14,9 @@ One step, decode-first (the default)::
               preempt (recompute: free and requeue; swap: copy to host, free)
     bring in  only if nothing was preempted for lack of memory: swapped sequences, then
               waiting ones, in _incoming_order, while max_num_seqs, the token budget and
-              the free blocks above the watermark allow; the first that does not fit stops it
+              the free blocks above the watermark allow; the first that does not fit stops
+              it. A prompt gets blocks for all its tokens (its first chunk runs now); a
+              swapped sequence gets its blocks and host copy back and runs from next step
 
 Prefill-first (``prefill_first = True``) brings in before scheduling the running sequences,
 keeping back the blocks their decodes need this step.

@@ -98,7 +98,12 @@ def check_node(node: DictConfig, path: str, runtime: set[str]) -> None:
             raw = OmegaConf.to_container(node, resolve=False)[key]
             via = f" (from {raw})" if isinstance(raw, str) and "${" in raw else ""
             raise ConfigError(f"{where}={value!r}{via} must be {_type_name(hints[key])}")
+    # A nested partial (e.g. the speculative policy's base scheduler or draft builder) gets
+    # its remaining arguments from the object that calls it, which the config cannot know.
+    nested_partial = node.get("_partial_", False) and path.count(".") > 0
     for name, p in params.items():
+        if nested_partial:
+            break
         if _is_keyword(p) and p.default is p.empty and name not in node and name not in runtime:
             raise ConfigError(f"{path}.{name} is missing: {target} requires it; add it")
 

@@ -74,6 +74,7 @@ class LLMEngine:
         self._requests: dict[str, Seq] = {}
         self._pending: list[RequestOutput] = []  # aborts and rejections, returned next step
         self._num_added = 0
+        self.hold_until: float | None = None  # set by a step that ran nothing on purpose
         self._host: dict[str, HostBlocks] = {}  # KV of swapped-out requests
 
     @classmethod
@@ -184,9 +185,9 @@ class LLMEngine:
             self.recorder.step(
                 plan, self.scheduler, now, duration, forward_time, build_time, swap_time=swap_time
             )
-            if plan.hold_until is not None:
-                # The scheduler lets a bigger batch form: idle until it stops holding.
-                self.clock.wait_until(plan.hold_until)
+            # The scheduler may let a bigger batch form: the driver idles until then or until
+            # the next arrival, whichever comes first (the engine does not know arrivals).
+            self.hold_until = plan.hold_until
             return outputs
 
     def _move_blocks(self, plan: SchedulerOutput) -> float:
@@ -222,6 +223,8 @@ class LLMEngine:
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
+            if self.hold_until is not None:
+                self.clock.wait_until(self.hold_until)
         return [final[rid] for rid in ids]
 
     # -- inside a step -------------------------------------------------------------------

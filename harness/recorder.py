@@ -76,7 +76,10 @@ class Recorder:
         spare = max(0, stats.reserved_slots - stats.used_slots)
         future = min(future, spare)
         free_slots = stats.free_blocks * bs
-        prefill = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
+        # A speculative verification computes 1 + k tokens but is a decode, not a prefill.
+        prefill = sum(
+            n for s in plan.scheduled if (n := s.num_new_tokens - s.num_draft_tokens) > 1
+        )
         self.steps.append(
             {
                 "step": len(self.steps),

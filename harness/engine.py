@@ -74,7 +74,6 @@ class LLMEngine:
         self._requests: dict[str, Seq] = {}
         self._pending: list[RequestOutput] = []  # aborts and rejections, returned next step
         self._num_added = 0
-        self.hold_until: float | None = None  # set by a step that ran nothing on purpose
         self._host: dict[str, HostBlocks] = {}  # KV of swapped-out requests
 
     @classmethod
@@ -163,8 +162,12 @@ class LLMEngine:
             return self.scheduler.num_unfinished()
 
     # -- the loop ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and one batched forward; return what progressed."""
+    def step(self, next_arrival: float | None = None) -> list[RequestOutput]:
+        """Run one scheduling step and one batched forward; return what progressed.
+
+        ``next_arrival``: when the driver will add its next request, so a scheduler that holds
+        back a small batch (min_batch_size) idles no later than that.
+        """
         with self._lock:
             start = time.perf_counter()
             now = self.clock.now()
@@ -185,9 +188,13 @@ class LLMEngine:
             self.recorder.step(
                 plan, self.scheduler, now, duration, forward_time, build_time, swap_time=swap_time
             )
-            # The scheduler may let a bigger batch form: the driver idles until then or until
-            # the next arrival, whichever comes first (the engine does not know arrivals).
-            self.hold_until = plan.hold_until
+            if plan.hold_until is not None:
+                # The scheduler lets a bigger batch form: idle until it stops holding, or
+                # until the next arrival the driver knows of, whichever comes first.
+                wake = (
+                    plan.hold_until if next_arrival is None else min(plan.hold_until, next_arrival)
+                )
+                self.clock.wait_until(wake)
             return outputs
 
     def _move_blocks(self, plan: SchedulerOutput) -> float:
@@ -223,8 +230,6 @@ class LLMEngine:
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
-            if self.hold_until is not None:
-                self.clock.wait_until(self.hold_until)
         return [final[rid] for rid in ids]
 
     # -- inside a step -------------------------------------------------------------------

@@ -77,9 +77,7 @@ class Recorder:
         future = min(future, spare)
         free_slots = stats.free_blocks * bs
         # A speculative verification computes 1 + k tokens but is a decode, not a prefill.
-        prefill = sum(
-            n for s in plan.scheduled if (n := s.num_new_tokens - s.num_draft_tokens) > 1
-        )
+        prefill = sum(n for s in plan.scheduled if (n := s.num_new_tokens - s.num_draft_tokens) > 1)
         self.steps.append(
             {
                 "step": len(self.steps),

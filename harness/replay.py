@@ -69,11 +69,8 @@ def replay(engine: LLMEngine, trace: Trace, *, progress: bool = True) -> None:
             if not engine.has_unfinished_requests():
                 clock.wait_until(origin + pending[0].arrival_time)
                 continue
-            done = sum(out.finished for out in engine.step())
-            if engine.hold_until is not None:
-                # The scheduler waits for a bigger batch; an arrival may end the wait early.
-                nxt = origin + pending[0].arrival_time if pending else engine.hold_until
-                clock.wait_until(min(engine.hold_until, nxt))
+            next_arrival = origin + pending[0].arrival_time if pending else None
+            done = sum(out.finished for out in engine.step(next_arrival))
             if done:
                 bar.update(done)
                 bar.set_postfix_str(f"{clock.name} t={clock.now() - origin:.1f}s", refresh=False)

@@ -244,6 +244,14 @@ def test_prefill_first_admits_before_decodes_take_the_budget(model, order):
 
 
 # -- batch constraints ----------------------------------------------------------------------
+def test_a_hold_ends_at_the_next_arrival(model):
+    engine = build(model, FCFSScheduler, num_blocks=64, min_batch_size=3, max_wait=10.0)
+    engine.add_request("a", prompt(5, 0), greedy(2), arrival_time=0.0)
+    engine.step(next_arrival=0.2)
+    assert engine.recorder.steps[-1]["batch_size"] == 0
+    assert 0.2 <= engine.clock.now() < 10.0  # woke for the arrival, not at max_wait
+
+
 def test_min_batch_size_waits_for_a_batch_but_not_forever(model):
     engine = build(model, FCFSScheduler, num_blocks=64, min_batch_size=3, max_wait=0.5)
     engine.add_request("a", prompt(5, 0), greedy(2), arrival_time=0.0)

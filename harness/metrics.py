@@ -263,8 +263,11 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     return {k: out[k].item() if isinstance(out[k], np.generic) else out[k] for k in SUMMARY_KEYS}
 
 
-def _num(value: float, scale: float = 1.0, digits: int = 2) -> str:
-    return "n/a" if value is None or math.isnan(value) else f"{value * scale:,.{digits}f}"
+def _num(value: float, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
+    """A figure with its unit, or "n/a" (no unit) when there is nothing to report."""
+    if value is None or math.isnan(value):
+        return "n/a"
+    return f"{value * scale:,.{digits}f}{unit}"
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
@@ -278,28 +281,31 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         for m in LATENCIES
     ]
     rows += [
-        ("Duration", f"{_num(s['duration'])} s"),
+        ("Duration", _num(s["duration"], unit=" s")),
         ("Requests completed / aborted", f"{s['completed']} / {s['aborted']}"),
-        ("Output throughput", f"{_num(s['output_throughput'])} tok/s"),
-        ("Total token throughput", f"{_num(s['total_token_throughput'])} tok/s"),
-        ("Request throughput", f"{_num(s['request_throughput'], digits=3)} req/s"),
-        ("Goodput (SLOs met)", f"{_num(s['goodput'], digits=3)} req/s"),
+        ("Output throughput", _num(s["output_throughput"], unit=" tok/s")),
+        ("Total token throughput", _num(s["total_token_throughput"], unit=" tok/s")),
+        ("Request throughput", _num(s["request_throughput"], digits=3, unit=" req/s")),
+        ("Goodput (SLOs met)", _num(s["goodput"], digits=3, unit=" req/s")),
     ]
     for agg in ("mean", "peak"):
-        parts = " ".join(f"{p} {_num(s[f'kv_{p}_frac_{agg}'], 100, 1)}%" for p in KV_PARTS)
+        parts = " ".join(f"{p} {_num(s[f'kv_{p}_frac_{agg}'], 100, 1, unit='%')}" for p in KV_PARTS)
         rows.append((f"KV slots ({agg})", parts))
     rows += [
-        ("KV utilisation (tokens/allocated)", f"{_num(s['kv_utilisation'], 100, 1)} %"),
+        ("KV utilisation (tokens/allocated)", _num(s["kv_utilisation"], 100, 1, unit=" %")),
         (
             "Blocks used peak / mean",
             f"{_num(s['blocks_used_peak'], digits=0)} / {_num(s['blocks_used_mean'], digits=1)}",
         ),
-        ("External fragmentation (mean)", f"{_num(s['external_fragmentation_mean'], 100, 1)} %"),
-        ("Prefix hit rate", f"{_num(s['prefix_hit_rate'], 100, 1)} %"),
+        (
+            "External fragmentation (mean)",
+            _num(s["external_fragmentation_mean"], 100, 1, unit=" %"),
+        ),
+        ("Prefix hit rate", _num(s["prefix_hit_rate"], 100, 1, unit=" %")),
         ("Preemptions", str(s["preemptions"])),
-        ("Spec acceptance rate", f"{_num(s['spec_acceptance_rate'], 100, 1)} %"),
+        ("Spec acceptance rate", _num(s["spec_acceptance_rate"], 100, 1, unit=" %")),
         ("Spec accepted tokens / spec step", _num(s["spec_accepted_per_step"])),
-        ("MLX peak memory", f"{_num(s['mlx_peak_bytes'], 2.0**-20, 1)} MiB"),
+        ("MLX peak memory", _num(s["mlx_peak_bytes"], 2.0**-20, 1, unit=" MiB")),
         ("Engine steps", str(s["num_steps"])),
     ]
     width = max(len(name) for name, _ in rows)

@@ -12,10 +12,17 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import harness  # noqa: F401  (switches MLX to MKL before a test module imports mlx)
+from harness.models import LoadedModel, random_model
 from harness.run import CONFIG_DIR
 
 # Seconds-long experiments: six short requests, a small arena, no progress bar.
 TINY = ("trace=smoke", "engine.num_blocks=64", "progress=false")
+
+
+@pytest.fixture(scope="session")
+def model() -> LoadedModel:
+    """The tiny random Llama most engine tests run (built once per session)."""
+    return random_model("llama", "tiny", seed=0)
 
 
 def compose_config(overrides: Sequence[str] = (), *, tiny: bool = True) -> DictConfig:

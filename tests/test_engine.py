@@ -12,7 +12,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
+from reference import mlx_lm_tokens
 
 from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
@@ -21,7 +21,6 @@ from allocators.radix import RadixAllocator
 from harness.engine import LLMEngine, RequestError
 from harness.kv_cache import KVArena
 from harness.model_runner import ModelRunner, Row
-from harness.models import random_model
 from harness.sampling import SamplingParams
 from schedulers.fcfs import FCFSScheduler
 
@@ -29,11 +28,6 @@ ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAlloc
 PROMPT_LENS = [1, 7, 16, 17, 63, 128, 255, 300]
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return random_model("llama", "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +39,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(model, prompts):
     """mlx_lm's greedy tokens for each prompt."""
-    out = []
-    for p in prompts:
-        steps = generate_step(mx.array(p), model.model, max_tokens=MAX_TOKENS)
-        out.append([int(tok) for tok, _ in steps])
-    return out
+    return [mlx_lm_tokens(model, p, MAX_TOKENS) for p in prompts]
 
 
 def make_engine(model, allocator, *, block_size, num_blocks, max_num_seqs=8, **alloc_kwargs):
@@ -155,10 +145,7 @@ def test_preemption_under_a_tiny_arena_loses_nothing(model, allocator):
     # into a fifth block each, which only two of them can get: the rest are preempted.
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 1024, 60).tolist() for _ in range(8)]
-    reference = [
-        [int(t) for t, _ in generate_step(mx.array(p), model.model, max_tokens=MAX_TOKENS)]
-        for p in prompts
-    ]
+    reference = [mlx_lm_tokens(model, p, MAX_TOKENS) for p in prompts]
     engine = make_engine(model, allocator, block_size=16, num_blocks=34)
     outputs = engine.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == reference
@@ -169,7 +156,7 @@ def test_preemption_under_a_tiny_arena_loses_nothing(model, allocator):
 def test_decode_crosses_block_boundaries(model):
     # 14-token prompt, 10 new tokens, block size 4: the table grows mid-decode 3 times.
     prompt = list(range(3, 17))
-    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model.model, max_tokens=10)]
+    ref = mlx_lm_tokens(model, prompt, 10)
     engine = make_engine(model, FreeListAllocator, block_size=4, num_blocks=16)
     assert engine.generate([prompt], GREEDY)[0].outputs[0].token_ids == ref
 

@@ -6,7 +6,7 @@ from functools import partial
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
+from reference import mlx_lm_tokens
 
 from allocators.free_list import FreeListAllocator
 from harness.engine import LLMEngine
@@ -22,8 +22,7 @@ def test_qwen2_with_gqa_is_token_identical_to_mlx_lm():
     engine = LLMEngine.build(loaded, FreeListAllocator, FCFSScheduler, block_size=8, num_blocks=32)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for prompt, out in zip(prompts, engine.generate(prompts, params), strict=True):
-        ref = [int(t) for t, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=8)]
-        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids == mlx_lm_tokens(loaded, prompt, 8)
 
 
 def test_same_seed_same_weights_and_sizes_differ():

@@ -8,23 +8,17 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
+from reference import mlx_lm_tokens
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator
 from harness.engine import LLMEngine
 from harness.kv_cache import KVArena
-from harness.models import random_model
 from harness.request import Sequence
 from harness.sampling import SamplingParams
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler
-
-
-@pytest.fixture(scope="module")
-def model():
-    return random_model("llama", "tiny", seed=0)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -33,10 +27,6 @@ def greedy(n: int) -> SamplingParams:
 
 def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(1, 1024, n).tolist()
-
-
-def mlx_lm_tokens(model, tokens: list[int], n: int) -> list[int]:
-    return [int(t) for t, _ in generate_step(mx.array(tokens), model.model, max_tokens=n)]
 
 
 def build(model, policy, *, num_blocks, block_size=4, **kwargs):

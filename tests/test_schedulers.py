@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from functools import partial
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
+from reference import mlx_lm_tokens
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.buddy import BuddyAllocator
@@ -19,7 +18,6 @@ from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import LLMEngine
-from harness.models import random_model
 from harness.request import Status
 from harness.sampling import SamplingParams
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
@@ -53,11 +51,6 @@ ARENAS = {
 
 
 @pytest.fixture(scope="module")
-def model():
-    return random_model("llama", "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
 def prompts():
     rng = np.random.default_rng(2)
     return [rng.integers(1, 1024, n).tolist() for n in PROMPT_LENS]
@@ -66,10 +59,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(model, prompts):
     """mlx_lm's greedy tokens for each prompt."""
-    return [
-        [int(t) for t, _ in generate_step(mx.array(p), model.model, max_tokens=MAX_TOKENS)]
-        for p in prompts
-    ]
+    return [mlx_lm_tokens(model, p, MAX_TOKENS) for p in prompts]
 
 
 def build(model, allocator, policy, *, num_blocks, block_size=BLOCK, **kwargs):

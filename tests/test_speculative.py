@@ -14,7 +14,7 @@ import hydra.utils
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
+from reference import mlx_lm_tokens
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.buddy import BuddyAllocator
@@ -37,11 +37,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return random_model("llama", "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
 def prompts():
     rng = np.random.default_rng(1)
     return [rng.integers(1, 1024, n).tolist() for n in (1, 7, 16, 17, 40, 63)]
@@ -49,8 +44,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(model, prompts):
-    steps = (generate_step(mx.array(p), model.model, max_tokens=GREEDY.max_tokens) for p in prompts)
-    return [[int(t) for t, _ in s] for s in steps]
+    return [mlx_lm_tokens(model, p, GREEDY.max_tokens) for p in prompts]
 
 
 def spec_engine(

@@ -178,15 +178,22 @@ class LLMEngine:
                 outputs.append(self._output(seq))
             swap_time = self._move_blocks(plan)
             forward_time = build_time = 0.0
+            snapshot = []  # the step's memory figures, taken while the forward computes
+
+            def take_snapshot() -> None:
+                snapshot.append(self.recorder.snapshot(self.scheduler))
+
             if plan.scheduled:
-                result = self.runner.forward(self._rows(plan))
+                result = self.runner.forward(self._rows(plan), overlap=take_snapshot)
                 forward_time, build_time = result.forward_time, result.build_time
                 elapsed = time.perf_counter() - start
                 outputs += self._postprocess(plan, result.logits, self.clock.after(elapsed))
+            else:
+                take_snapshot()
             duration = time.perf_counter() - start
             self.clock.advance(duration)
             self.recorder.step(
-                plan, self.scheduler, now, duration, forward_time, build_time, swap_time=swap_time
+                plan, snapshot[0], now, duration, forward_time, build_time, swap_time=swap_time
             )
             if plan.hold_until is not None:
                 # The scheduler lets a bigger batch form: idle until it stops holding, or

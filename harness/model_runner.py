@@ -50,8 +50,13 @@ class ModelRunner:
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         self.arena.copy_blocks(copies)
 
-    def forward(self, rows: Sequence[Row]) -> ForwardResult:
-        """Run all rows; decodes and prefill chunks as two batches of one lazy graph."""
+    def forward(
+        self, rows: Sequence[Row], overlap: Callable[[], None] | None = None
+    ) -> ForwardResult:
+        """Run all rows; decodes and prefill chunks as two batches of one lazy graph.
+
+        ``overlap`` is called while MLX computes (bookkeeping that does not need the result).
+        """
         t0 = time.perf_counter()
         groups = [
             [i for i, r in enumerate(rows) if len(r.tokens) == 1],
@@ -69,7 +74,11 @@ class ModelRunner:
             wanted = [i for i in order if rows[i].num_logits]
             if wanted != sorted(wanted):
                 logits = logits[mx.array(_regroup(rows, order))]
-        mx.eval(logits if logits is not None else [], self.arena.keys, self.arena.values)
+        results = [logits if logits is not None else [], self.arena.keys, self.arena.values]
+        mx.async_eval(results)
+        if overlap is not None:
+            overlap()
+        mx.eval(results)
         return ForwardResult(logits, t1 - t0, time.perf_counter() - t1)
 
     def _plan(self, rows: Sequence[Row]):

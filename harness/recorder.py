@@ -54,18 +54,11 @@ class Recorder:
             }
         )
 
-    def step(
-        self,
-        plan: SchedulerOutput,
-        scheduler: Scheduler,
-        start: float,
-        duration: float,
-        forward_time: float,
-        build_time: float,
-        swap_time: float = 0.0,
-    ) -> None:
+    def snapshot(self, scheduler: Scheduler) -> dict | None:
+        """KV memory and queue figures of the step being run (taken while its forward
+        computes, so the bookkeeping overlaps the model instead of adding to the step)."""
         if not self.enabled:
-            return
+            return None
         stats = self.allocator.stats()
         bs = stats.block_size
         future = 0
@@ -75,7 +68,35 @@ class Recorder:
             future += max(0, min(held, final) - seq.num_computed_tokens)
         spare = max(0, stats.reserved_slots - stats.used_slots)
         future = min(future, spare)
-        free_slots = stats.free_blocks * bs
+        return {
+            "num_waiting": len(scheduler.waiting),
+            "num_running": len(scheduler.running),
+            "num_swapped": len(getattr(scheduler, "swapped", ())),
+            "blocks_used": stats.used_blocks,
+            "blocks_free": stats.free_blocks,
+            "blocks_cached": stats.cached_blocks,
+            "slots_tokens": stats.used_slots,
+            "slots_future": future,
+            "slots_internal": spare - future,
+            "slots_external": round(stats.external_fragmentation * stats.free_blocks * bs),
+            "slots_total": stats.num_blocks * bs,
+            "external_fragmentation": stats.external_fragmentation,
+            "mlx_active_bytes": mx.get_active_memory(),
+        }
+
+    def step(
+        self,
+        plan: SchedulerOutput,
+        snapshot: dict | None,
+        start: float,
+        duration: float,
+        forward_time: float,
+        build_time: float,
+        swap_time: float = 0.0,
+    ) -> None:
+        """One row per step: the plan, its timings, and the ``snapshot`` taken during it."""
+        if not self.enabled:
+            return
         # A speculative verification computes 1 + k tokens but is a decode, not a prefill.
         prefill = sum(n for s in plan.scheduled if (n := s.num_new_tokens - s.num_draft_tokens) > 1)
         self.steps.append(
@@ -89,22 +110,10 @@ class Recorder:
                 "prefill_tokens": prefill,
                 "decode_tokens": plan.num_batched_tokens - prefill,
                 "preempted": len(plan.preempted),
-                "num_waiting": len(scheduler.waiting),
-                "num_running": len(scheduler.running),
-                "num_swapped": len(getattr(scheduler, "swapped", ())),
                 "swap_out_blocks": sum(len(s.blocks) for s in plan.swapped_out),
                 "swap_in_blocks": sum(len(s.blocks) for s in plan.swapped_in),
                 "swap_time": swap_time,  # host copies of swapped KV, synchronised
-                "blocks_used": stats.used_blocks,
-                "blocks_free": stats.free_blocks,
-                "blocks_cached": stats.cached_blocks,
-                "slots_tokens": stats.used_slots,
-                "slots_future": future,
-                "slots_internal": spare - future,
-                "slots_external": round(stats.external_fragmentation * free_slots),
-                "slots_total": stats.num_blocks * bs,
-                "external_fragmentation": stats.external_fragmentation,
-                "mlx_active_bytes": mx.get_active_memory(),
+                **snapshot,
                 "mlx_peak_bytes": mx.get_peak_memory(),
                 "spec_proposed": getattr(plan, "spec_proposed", 0),
                 "spec_accepted": getattr(plan, "spec_accepted", 0),

@@ -6,6 +6,7 @@ The reference is mlx_lm's own single-sequence ``generate_step`` over its ``KVCac
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from functools import partial
 
@@ -233,3 +234,29 @@ def test_requests_added_and_aborted_from_another_thread(model, prompts, referenc
     assert all(finished[f"r{i}"] == reference[i] for i in range(1, 6))
     assert "doomed" in finished
     assert_all_free(engine)
+
+
+class LetterTokenizer:
+    """A real (if tiny) tokenizer: token i is the letter chr(97 + i % 26)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_stop_strings_and_text_prompts_with_a_tokenizer(model):
+    loaded = dataclasses.replace(model, tokenizer=LetterTokenizer())
+    engine = make_engine(loaded, FreeListAllocator, block_size=16, num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = engine.generate(["hello"], params)[0].outputs[0]
+    assert ref.token_ids == mlx_lm_tokens(model, LetterTokenizer().encode("hello"), 30)
+    assert ref.text == LetterTokenizer().decode(ref.token_ids)
+    # The first two-letter string that appears after the third token: it stops there.
+    stop = ref.text[3:5]
+    cut = ref.text.index(stop)
+    out = engine.generate(["hello"], dataclasses.replace(params, stop=(stop,)))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == ref.token_ids[: cut + 2]
+    assert out.text == ref.text[:cut]

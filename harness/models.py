@@ -13,7 +13,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
-from mlx_lm.models.cache import KVCache
 
 # Sizes named by configs. "tiny" keeps tests fast on a 2-core CPU; "small" (~32M params)
 # makes the forward dominate in benchmarks without taking hours there.
@@ -167,8 +166,3 @@ def describe(model: nn.Module, name: str, **extra: Any) -> LoadedModel:
         dtype=attn.k_proj.weight.dtype,
         **extra,
     )
-
-
-def reference_cache(loaded: LoadedModel) -> list[KVCache]:
-    """mlx_lm's own per-layer cache, for comparing the paged engine with the reference."""
-    return [KVCache() for _ in range(loaded.num_layers)]

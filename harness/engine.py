@@ -396,7 +396,7 @@ class LLMEngine:
         )
         return RequestOutput(
             seq.request_id,
-            seq.token_ids[: seq.num_prompt_tokens],
+            seq.prompt_token_ids,
             [completion],
             finished,
             abort_reason=seq.abort_reason,

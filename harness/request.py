@@ -49,10 +49,13 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     spec_proposed: int = 0
     spec_accepted: int = 0
+    prompt_token_ids: tuple[int, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+        # Every step's RequestOutput shares this instead of slicing the prompt again.
+        self.prompt_token_ids = tuple(self.token_ids[: self.num_prompt_tokens])
 
     @property
     def num_tokens(self) -> int:
@@ -92,7 +95,7 @@ class RequestOutput:
     """What ``LLMEngine.step`` returns for each request that made progress or finished."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     outputs: list[CompletionOutput]
     finished: bool
     abort_reason: str | None = None

@@ -92,13 +92,7 @@ class LLMEngine:
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("set exactly one of engine.num_blocks and engine.kv_cache_bytes")
         if num_blocks is None:
-            per_block = KVArena.block_bytes(
-                num_layers=model.num_layers,
-                block_size=block_size,
-                num_kv_heads=model.num_kv_heads,
-                head_dim=model.head_dim,
-                dtype=model.dtype,
-            )
+            per_block = model.kv_bytes_per_token() * block_size
             num_blocks = kv_cache_bytes // per_block
             if num_blocks < 1:
                 raise ValueError(

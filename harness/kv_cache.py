@@ -52,13 +52,6 @@ class KVArena:
         self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         mx.eval(self.keys, self.values)
 
-    @staticmethod
-    def block_bytes(
-        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype
-    ) -> int:
-        """Bytes one block takes across all layers, K and V."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.size
-
     @property
     def nbytes(self) -> int:
         """Bytes of the allocatable blocks (the scratch block is not counted)."""

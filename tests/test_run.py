@@ -107,7 +107,7 @@ def test_sweep_with_ray_launcher_on_a_local_instance(kvbench, tmp_path: Path) ->
 
 @pytest.mark.slow  # a 4-job sweep of 40-request jobs, run about 1.5 times: ~30 s here
 def test_interrupted_sweep_rerun_completes_only_missing_jobs(tmp_path: Path) -> None:
-    from conftest import TINY
+    from conftest import TINY, run_kvbench
 
     # Longer jobs (40 requests each) so the interrupt lands while the sweep is running.
     args = ["-m", *TINY, "trace.num_requests=40", *SWEEP_2X2, "sweep_id=s"]
@@ -130,14 +130,7 @@ def test_interrupted_sweep_rerun_completes_only_missing_jobs(tmp_path: Path) -> 
     before = {p.parent.name: p.stat().st_mtime_ns for p in sweep.glob("*/summary.json")}
     assert 2 <= len(before) < 4, f"interrupt landed too late: {sorted(before)}"
 
-    rerun = subprocess.run(
-        [sys.executable, "-m", "harness.run", *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
+    rerun = run_kvbench(*args, cwd=tmp_path)
     after = {p.parent.name: p.stat().st_mtime_ns for p in sweep.glob("*/summary.json")}
     assert len(after) == 4
     assert all(after[name] == mtime for name, mtime in before.items())  # not re-run

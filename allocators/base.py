@@ -1,11 +1,27 @@
-"""The block-allocator contract and the bookkeeping every allocator shares.
+"""The block-allocator contract (version 2) and the bookkeeping every allocator shares.
 
 An allocator hands out fixed-size KV blocks (``block_size`` token slots each) to
 sequences, keyed by ``seq_id``. The base class owns everything that does not
-depend on placement: per-block reference counts, per-sequence block tables and
-token counts, input validation, statistics, the invariant check and the block
-map. A subclass decides only *which* blocks a sequence gets (placement) and what
-happens to a block nobody holds any more (free list, cache, region merge).
+depend on placement: per-block reference counts, per-sequence state (table, token
+count, write limit), input validation, O(1) statistics, the invariant check and
+the block map. A subclass decides only *which* blocks a sequence gets (placement)
+and what happens to a block nobody holds any more (free list, cache, region merge).
+docs/design.md states the contract; this docstring and that section move together.
+
+The hot path. A decode grows a sequence by one token per step; ``allocate`` answers
+that in O(1) from the sequence's *write limit* (the slots it can fill without a new
+block or a copy) and returns the shared ``NO_COPIES`` constant, allocating nothing.
+``block_table`` returns the live table, not a copy. ``stats`` reads counters kept up
+to date by every call.
+
+Questions a scheduler asks instead of doing block arithmetic itself (exact for
+every allocator: region sizes, buddy rounding, copy-on-write, evictable cache)::
+
+    blocks_needed(seq, n)     net blocks allocate(seq, n) would take from the free count
+    can_allocate(seq, n)      whether it would succeed now (a region also needs a place)
+    reclaimable_blocks(seq)   blocks free(seq) would give back (shared blocks stay held)
+    free(seq) -> int          frees, and says how many blocks it gave back
+    held_slots(seq)           slots of the blocks seq holds, region slack included
 
 Block states, as ``dump()`` draws them::
 
@@ -23,30 +39,30 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Allocation:
-    """The result of a successful ``allocate`` or ``fork``.
+    """The result of a successful ``allocate`` or ``fork``: ``(src_block, dst_block)``
+    pairs whose KV the engine copies before it writes (relocation of a region,
+    copy-on-write of a shared block). Read the table itself with ``block_table``."""
 
-    ``block_table`` is the sequence's whole table after the call. ``copies`` lists
-    ``(src_block, dst_block)`` pairs whose KV the engine must copy before it writes
-    (relocation of a contiguous run, copy-on-write of a shared block).
-    """
-
-    block_table: tuple[int, ...]
     copies: tuple[tuple[int, int], ...] = ()
+
+
+NO_COPIES = Allocation()  # returned whenever nothing is copied: no object per call
 
 
 @dataclass(frozen=True)
 class AllocatorStats:
-    """A snapshot of an allocator's memory and counters.
+    """A snapshot of an allocator's memory and counters, O(1) to take.
 
     Blocks: ``used_blocks`` are held by some sequence (in a table, or reserved by
     a region), ``cached_blocks`` are unreferenced but kept by a prefix cache and
     evictable, ``free_blocks`` are the rest; the three sum to ``num_blocks``.
     Slots: ``reserved_slots`` = ``used_blocks * block_size``; ``used_slots`` counts
-    the slots sequences asked for, a shared block counted once (at the fill of its
-    fullest holder). Counters (``prefix_*``, ``evictions``, ``cow_copies``,
-    ``relocations``, ``relocated_blocks``, ``fork_copies``) are cumulative.
+    the token slots sequences asked for, a block shared by several sequences once
+    (its holders always agree on its fill: a shared block is copied before a write).
+    Counters (``prefix_*``, ``evictions``, ``cow_copies``, ``relocations``,
+    ``relocated_blocks``, ``fork_copies``) are cumulative.
     """
 
     num_blocks: int
@@ -56,7 +72,6 @@ class AllocatorStats:
     cached_blocks: int
     reserved_slots: int
     used_slots: int
-    external_fragmentation: float
     prefix_queries: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
@@ -90,21 +105,37 @@ def _check_count(name: str, value: object, minimum: int) -> int:
     return value
 
 
+class SeqState:
+    """What an allocator keeps per sequence. ``limit`` is the slot count the sequence
+    can grow to without a new block or a copy (its write limit): the fast path."""
+
+    __slots__ = ("table", "num_tokens", "limit")
+
+    def __init__(self) -> None:
+        self.table: list[int] = []
+        self.num_tokens = 0
+        self.limit = 0
+
+
 class BlockAllocator(ABC):
-    """Hands out KV blocks to sequences; see the module docstring and DESIGN.md.
+    """Hands out KV blocks to sequences; see the module docstring and docs/design.md.
 
     Constructed as ``Cls(num_blocks=..., block_size=..., **policy_options)``.
     Wrong input (unknown ``seq_id``, negative counts) raises ``ValueError``; lack of
     memory is a value (``allocate``/``fork`` return ``None`` and change nothing).
     """
 
+    _State: type[SeqState] = SeqState
+
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = _check_count("num_blocks", num_blocks, 1)
         self.block_size = _check_count("block_size", block_size, 1)
+        self.max_seq_tokens = num_blocks * block_size  # most one sequence can ever hold
         self._ref = [0] * num_blocks
-        self._used = 0  # blocks with ref > 0, kept so num_free_blocks() is O(1)
-        self._tables: dict[str, list[int]] = {}
-        self._num_tokens: dict[str, int] = {}
+        self._used = 0  # blocks with ref > 0
+        self._seqs: dict[str, SeqState] = {}
+        self._token_slots = 0  # sum of num_tokens over sequences
+        self._shared_slots = 0  # slots counted twice or more in _token_slots (shared blocks)
         self._prefix_queries = self._prefix_query_tokens = self._prefix_hit_tokens = 0
         self._evictions = self._cow_copies = self._relocations = 0
         self._relocated_blocks = self._fork_copies = 0
@@ -122,82 +153,158 @@ class BlockAllocator(ABC):
         prefix cache); never all of them, so the engine computes the last token's
         logits. ``seq_id`` must hold nothing yet.
         """
-        if self._tables.get(seq_id):
+        s = self._seqs.get(seq_id)
+        if s is not None and s.table:
             raise ValueError(f"match_prefix: {seq_id!r} already holds blocks; free it first")
         self._prefix_queries += 1
         self._prefix_query_tokens += len(token_ids)
-        self._tables.setdefault(seq_id, [])
-        self._num_tokens.setdefault(seq_id, 0)
-        matched = self._match(seq_id, token_ids)
+        if s is None:
+            s = self._seqs[seq_id] = self._State()
+        matched = self._match(s, token_ids)
         self._prefix_hit_tokens += matched
+        self._token_slots += matched
         return matched
 
-    def allocate(self, seq_id: str, num_tokens: int) -> Allocation | None:
-        """Grow ``seq_id``'s table to ``num_tokens`` slots in all; ``None`` if it cannot.
+    def blocks_needed(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] = ()) -> int:
+        """Net blocks ``allocate(seq_id, num_tokens)`` would take from ``num_free_blocks()``.
 
-        All or nothing. ``num_tokens`` at or below the current count returns the
-        current table. The slots ``[current, num_tokens)`` are about to be written,
-        so a block covering them that is shared or cached is copied first.
+        Exact: region sizes, copy-on-write and blocks a relocation gives back included.
+        For a sequence not known yet, ``token_ids`` lets a prefix cache leave out the
+        blocks ``match_prefix`` would share with running sequences.
         """
+        s = self._seqs.get(seq_id)
+        if s is None:
+            return self._need_new(num_tokens, token_ids)
+        return self._need(s, num_tokens) if num_tokens > s.num_tokens else 0
+
+    def can_allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] = ()) -> bool:
+        """Whether ``allocate(seq_id, num_tokens)`` would succeed now (a region also needs a
+        place to go); ``token_ids`` as in ``blocks_needed``."""
+        s = self._seqs.get(seq_id)
+        if s is None:
+            return self._fits_new(num_tokens, token_ids)
+        return num_tokens <= s.limit or self._fits(s, num_tokens)
+
+    def allocate(self, seq_id: str, num_tokens: int) -> Allocation | None:
+        """Grow ``seq_id`` to ``num_tokens`` slots in all; ``None`` (nothing changed) if it
+        cannot. ``num_tokens`` at or below the current count changes nothing. The slots
+        ``[current, num_tokens)`` are about to be written, so a block covering them that is
+        shared or cached is copied first (listed in the result's ``copies``)."""
+        s = self._seqs.get(seq_id)
+        if s is not None and s.num_tokens <= num_tokens <= s.limit:
+            self._token_slots += num_tokens - s.num_tokens
+            s.num_tokens = num_tokens
+            return NO_COPIES
         _check_count("num_tokens", num_tokens, 0)
-        table = self._tables.get(seq_id)
-        current = self._num_tokens.get(seq_id, 0)
-        if table is not None and num_tokens <= current:
-            return Allocation(tuple(table))
-        copies = self._grow(seq_id, table or [], current, num_tokens)
+        new = s is None
+        if new:
+            s = self._State()
+        elif num_tokens <= s.num_tokens:
+            return NO_COPIES
+        copies = self._grow(s, num_tokens)
         if copies is None:
             return None
-        self._num_tokens[seq_id] = num_tokens
-        return Allocation(tuple(self._tables[seq_id]), tuple(copies))
+        if new:
+            self._seqs[seq_id] = s
+        self._token_slots += num_tokens - s.num_tokens
+        s.num_tokens = num_tokens
+        s.limit = len(s.table) * self.block_size  # the blocks written into are its own now
+        return Allocation(tuple(copies)) if copies else NO_COPIES
 
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
         """Record that the KV of these leading tokens is written (a cache may share it)."""
-        if len(token_ids) > self._tokens_of(seq_id):
+        s = self._seqs.get(seq_id)
+        if s is None or len(token_ids) > s.num_tokens:
+            held = "no" if s is None else s.num_tokens
             raise ValueError(
-                f"commit: {len(token_ids)} tokens exceed the {self._num_tokens[seq_id]} "
-                f"slots allocated to {seq_id!r}; allocate them first"
+                f"commit: {len(token_ids)} tokens exceed the {held} slots allocated to "
+                f"{seq_id!r}; allocate them first"
             )
-        self._commit(seq_id, token_ids)
+        self._commit(s, token_ids)
 
     def trim(self, seq_id: str, num_tokens: int) -> None:
-        """Shrink ``seq_id`` to ``num_tokens`` slots (speculative-decoding rollback)."""
+        """Shrink ``seq_id`` to ``num_tokens`` slots (speculative-decoding rollback).
+
+        The block the new end falls in must be the sequence's own: cutting into a block
+        shared with another sequence raises (its holders would disagree on its fill)."""
         _check_count("num_tokens", num_tokens, 0)
-        if num_tokens > self._tokens_of(seq_id):
+        s = self._state(seq_id)
+        old, bs = s.num_tokens, self.block_size
+        if num_tokens > old:
             raise ValueError(
-                f"trim: {seq_id!r} holds {self._num_tokens[seq_id]} slots, cannot trim to "
-                f"{num_tokens}; use allocate to grow"
+                f"trim: {seq_id!r} holds {old} slots, cannot trim to {num_tokens}; "
+                "use allocate to grow"
             )
-        table = self._tables[seq_id]
-        keep = blocks_for(num_tokens, self.block_size)
-        dropped = table[keep:]
-        del table[keep:]
-        self._num_tokens[seq_id] = num_tokens
-        self._after_trim(seq_id, dropped)
+        if num_tokens == old:
+            return
+        keep = blocks_for(num_tokens, bs)
+        if num_tokens % bs and self._ref[s.table[keep - 1]] > 1:
+            raise ValueError(
+                f"trim: {seq_id!r} to {num_tokens} slots cuts into block {s.table[keep - 1]}, "
+                "which another sequence shares; trim only slots the sequence wrote itself"
+            )
+        dropped = s.table[keep:]
+        del s.table[keep:]
+        self._token_slots -= old - num_tokens
+        s.num_tokens = num_tokens
+        self._after_trim(s, dropped, old)
+        s.limit = self._write_limit(s)
 
     def fork(self, parent_id: str, child_id: str) -> Allocation | None:
         """Give ``child_id`` the parent's tokens; ``None`` (nothing changed) if no room."""
-        self._tokens_of(parent_id)
-        if child_id in self._tables:
+        parent = self._state(parent_id)
+        if child_id in self._seqs:
             raise ValueError(f"fork: child {child_id!r} already exists; free it or pick a new id")
-        copies = self._fork(parent_id, child_id)
+        child = self._State()
+        child.num_tokens = parent.num_tokens
+        copies = self._fork(parent, child)
         if copies is None:
             return None
-        self._num_tokens[child_id] = self._num_tokens[parent_id]
-        return Allocation(tuple(self._tables[child_id]), tuple(copies))
+        self._seqs[child_id] = child
+        self._token_slots += child.num_tokens
+        parent.limit, child.limit = self._write_limit(parent), self._write_limit(child)
+        return Allocation(tuple(copies)) if copies else NO_COPIES
 
-    def free(self, seq_id: str) -> None:
-        """Release everything ``seq_id`` holds; a sequence holding nothing is a no-op."""
-        if seq_id in self._tables:
-            self._free_seq(seq_id)
-            del self._tables[seq_id], self._num_tokens[seq_id]
+    def free(self, seq_id: str) -> int:
+        """Release everything ``seq_id`` holds; returns the blocks this gave back to
+        ``num_free_blocks()``. A sequence holding nothing is a no-op (0)."""
+        s = self._seqs.pop(seq_id, None)
+        if s is None:
+            return 0
+        used = self._used
+        self._token_slots -= s.num_tokens
+        self._free_seq(s)
+        return used - self._used
+
+    def reclaimable_blocks(self, seq_id: str) -> int:
+        """Blocks ``free(seq_id)`` would give back (0 for an unknown sequence)."""
+        s = self._seqs.get(seq_id)
+        return 0 if s is None else self._reclaimable(s)
 
     def block_table(self, seq_id: str) -> list[int]:
-        """A copy of ``seq_id``'s block table (logical block i -> physical block id)."""
-        self._tokens_of(seq_id)
-        return list(self._tables[seq_id])
+        """``seq_id``'s live block table (logical block i -> physical block id).
+
+        Not a copy: it changes as the sequence grows or moves, and callers must not
+        modify it. Copy it to keep it across allocator calls."""
+        return self._state(seq_id).table
+
+    def num_tokens(self, seq_id: str) -> int:
+        """Token slots allocated to ``seq_id``."""
+        return self._state(seq_id).num_tokens
+
+    def held_slots(self, seq_id: str) -> int:
+        """Slots of the blocks ``seq_id`` holds, region slack included (contiguous
+        ``max_len``, buddy rounding); shared blocks count for each holder."""
+        return self._held_count(self._state(seq_id)) * self.block_size
+
+    def unusable_free_blocks(self, num_tokens: int) -> int:
+        """Free blocks that cannot serve a new sequence of ``num_tokens`` slots: those in
+        runs or regions too small for its region (external fragmentation in the vLLM
+        paper's sense). Paged allocators have none."""
+        return 0
 
     def stats(self) -> AllocatorStats:
-        """A snapshot of blocks, slots and counters; O(total table length)."""
+        """A snapshot of blocks, slots and counters, O(1)."""
         cached = self._num_cached()
         return AllocatorStats(
             num_blocks=self.num_blocks,
@@ -206,8 +313,7 @@ class BlockAllocator(ABC):
             free_blocks=self.num_blocks - self._used - cached,
             cached_blocks=cached,
             reserved_slots=self._used * self.block_size,
-            used_slots=self._used_slots(),
-            external_fragmentation=self._external_fragmentation(),
+            used_slots=self._token_slots - self._shared_slots,
             prefix_queries=self._prefix_queries,
             prefix_query_tokens=self._prefix_query_tokens,
             prefix_hit_tokens=self._prefix_hit_tokens,
@@ -219,13 +325,16 @@ class BlockAllocator(ABC):
         )
 
     def check(self) -> None:
-        """Raise ``AssertionError`` if a bookkeeping invariant is broken."""
-        assert self._tables.keys() == self._num_tokens.keys(), "tables and token counts disagree"
+        """Raise ``AssertionError`` if a bookkeeping invariant is broken (O(arena))."""
         held: Counter[int] = Counter()
-        for seq_id, table in self._tables.items():
-            need = blocks_for(self._num_tokens[seq_id], self.block_size)
-            assert len(table) == need, f"{seq_id}: {len(table)} blocks for {need} needed"
-            blocks = list(self._held_blocks(seq_id))
+        bs = self.block_size
+        for seq_id, s in self._seqs.items():
+            need = blocks_for(s.num_tokens, bs)
+            assert len(s.table) == need, f"{seq_id}: {len(s.table)} blocks for {need} needed"
+            assert s.num_tokens <= s.limit <= len(s.table) * bs, f"{seq_id}: limit {s.limit}"
+            if s.limit > s.num_tokens:  # growing in place must not write shared/cached KV
+                assert not self._needs_copy(s.table[-1]), f"{seq_id}: limit over a shared block"
+            blocks = list(self._held_blocks(s))
             assert len(set(blocks)) == len(blocks), f"{seq_id} holds a block twice: {blocks}"
             held.update(blocks)
         for block, ref in enumerate(self._ref):
@@ -236,11 +345,17 @@ class BlockAllocator(ABC):
         assert not held.keys() & (free | cached), "a held block is also free or cached"
         assert len(free) + len(cached) + len(held) == self.num_blocks, "blocks lost or duplicated"
         assert self.num_free_blocks() == len(free) + len(cached), "num_free_blocks() is off"
+        assert self._num_cached() == len(cached), "cached count is off"
+        assert self._token_slots == sum(s.num_tokens for s in self._seqs.values())
+        fill = self._fill()
+        assert self._token_slots - self._shared_slots == sum(fill.values()), "used slots off"
+        for seq_id, s in self._seqs.items():
+            assert self._reclaimable(s) <= self._held_count(s), f"{seq_id}: reclaimable"
         self._check_placement()
 
     def dump(self) -> str:
         """A block map, 64 blocks a line, in the symbols of the module docstring."""
-        in_table = Counter(b for table in self._tables.values() for b in table)
+        in_table = Counter(b for s in self._seqs.values() for b in s.table)
         cached = self._cached_blocks()
 
         def symbol(block: int) -> str:
@@ -254,92 +369,100 @@ class BlockAllocator(ABC):
         s = self.stats()
         header = (
             f"{type(self).__name__}: {s.used_blocks} used, {s.free_blocks} free, "
-            f"{s.cached_blocks} cached of {s.num_blocks} blocks x {s.block_size} slots, "
-            f"fragmentation {s.external_fragmentation:.2f}"
+            f"{s.cached_blocks} cached of {s.num_blocks} blocks x {s.block_size} slots"
         )
         return "\n".join([header, *(cells[i : i + 64] for i in range(0, len(cells), 64))])
 
     # -- helpers for subclasses ------------------------------------------------------
 
-    def _tokens_of(self, seq_id: str) -> int:
-        if seq_id not in self._num_tokens:
+    def _state(self, seq_id: str) -> SeqState:
+        s = self._seqs.get(seq_id)
+        if s is None:
             raise ValueError(f"unknown seq_id {seq_id!r}: allocate or match_prefix it first")
-        return self._num_tokens[seq_id]
+        return s
 
-    def _hold(self, block: int) -> None:
-        if self._ref[block] == 0:
-            self._used += 1
-        self._ref[block] += 1
-
-    def _drop(self, block: int) -> None:
-        self._ref[block] -= 1
-        if self._ref[block] == 0:
-            self._used -= 1
-            self._on_unreferenced(block)
-
-    def _used_slots(self) -> int:
-        # Without shared blocks every slot belongs to one table: skip the per-block walk,
-        # which the engine would otherwise pay on every step it records.
-        if max(self._ref, default=0) <= 1:
-            return sum(self._num_tokens.values())
-        return sum(self._fill().values())
+    def _write_limit(self, s: SeqState) -> int:
+        """Slots ``s`` can grow to in place: to the end of its last block, unless that
+        block is partly written and someone else reads it (then any write copies)."""
+        if s.num_tokens % self.block_size and self._needs_copy(s.table[-1]):
+            return s.num_tokens
+        return len(s.table) * self.block_size
 
     def _fill(self) -> dict[int, int]:
-        """Slots in use per held block, each block at its fullest holder."""
+        """Slots in use per held block, each block at its fullest holder (for ``check``)."""
         fill: dict[int, int] = {}
         bs = self.block_size
-        for seq_id, table in self._tables.items():
-            n = self._num_tokens[seq_id]
-            for i, block in enumerate(table):
-                fill[block] = max(fill.get(block, 0), min(bs, n - i * bs))
+        for s in self._seqs.values():
+            for i, block in enumerate(s.table):
+                fill[block] = max(fill.get(block, 0), min(bs, s.num_tokens - i * bs))
         return fill
 
     # -- placement hooks -------------------------------------------------------------
 
-    def _match(self, seq_id: str, token_ids: Sequence[int]) -> int:
+    def _match(self, s: SeqState, token_ids: Sequence[int]) -> int:
         """Put cached prefix blocks into the (empty) table; return tokens matched."""
         return 0
 
     @abstractmethod
-    def _grow(self, seq_id: str, table: list[int], old: int, new: int) -> list | None:
-        """Make ``self._tables[seq_id]`` hold ``new`` slots; return the copies, or
-        ``None`` without changing anything. ``table`` is the current table."""
+    def _grow(self, s: SeqState, new: int) -> list | None:
+        """Make ``s.table`` cover ``new`` slots (``s.num_tokens`` is still the old count);
+        return the copies, or ``None`` without changing anything."""
 
-    def _commit(self, seq_id: str, token_ids: Sequence[int]) -> None:  # noqa: B027 (optional hook)
+    @abstractmethod
+    def _need(self, s: SeqState, new: int) -> int:
+        """``blocks_needed`` for a known sequence growing past its count."""
+
+    @abstractmethod
+    def _fits(self, s: SeqState, new: int) -> bool:
+        """``can_allocate`` for a known sequence growing past its write limit."""
+
+    def _need_new(self, num_tokens: int, token_ids: Sequence[int]) -> int:
+        """``blocks_needed`` for a sequence that holds nothing."""
+        return self._need(self._State(), num_tokens)
+
+    def _fits_new(self, num_tokens: int, token_ids: Sequence[int]) -> bool:
+        """``can_allocate`` for a sequence that holds nothing."""
+        return self._fits(self._State(), num_tokens)
+
+    def _commit(self, s: SeqState, token_ids: Sequence[int]) -> None:  # noqa: B027 (optional hook)
         """Prefix caches index the newly full blocks; others need nothing."""
 
     @abstractmethod
-    def _after_trim(self, seq_id: str, dropped: list[int]) -> None:
-        """The table lost ``dropped``; release or keep them reserved."""
+    def _after_trim(self, s: SeqState, dropped: list[int], old: int) -> None:
+        """The table lost ``dropped`` (it covered ``old`` slots); release or keep them."""
 
     @abstractmethod
-    def _fork(self, parent_id: str, child_id: str) -> list | None:
-        """Create the child's table; return the copies, or ``None`` changing nothing."""
+    def _fork(self, parent: SeqState, child: SeqState) -> list | None:
+        """Fill the child's table; return the copies, or ``None`` changing nothing."""
 
     @abstractmethod
-    def _free_seq(self, seq_id: str) -> None:
-        """Drop every reference ``seq_id`` holds."""
+    def _free_seq(self, s: SeqState) -> None:
+        """Drop every reference ``s`` holds."""
 
     @abstractmethod
-    def _on_unreferenced(self, block: int) -> None:
-        """``block``'s last reference went: free it or keep it cached."""
+    def _reclaimable(self, s: SeqState) -> int:
+        """Blocks freeing ``s`` would give back."""
 
     @abstractmethod
     def _free_blocks(self) -> set[int]:
         """The free blocks (for check and dump; may be O(num_blocks))."""
 
-    def _held_blocks(self, seq_id: str) -> Iterable[int]:
-        """The blocks ``seq_id`` holds a reference on: its table unless it owns a region."""
-        return self._tables[seq_id]
+    def _needs_copy(self, block: int) -> bool:
+        """Whether writing into ``block`` would change KV someone else reads."""
+        return self._ref[block] > 1
+
+    def _held_blocks(self, s: SeqState) -> Iterable[int]:
+        """The blocks ``s`` holds a reference on: its table unless it owns a region."""
+        return s.table
+
+    def _held_count(self, s: SeqState) -> int:
+        return len(s.table)
 
     def _cached_blocks(self) -> set[int]:
         return set()
 
     def _num_cached(self) -> int:
         return 0
-
-    def _external_fragmentation(self) -> float:
-        return 0.0
 
     def _check_placement(self) -> None:  # noqa: B027 (optional hook)
         """Allocator-specific invariants (contiguity, alignment, tree shape)."""

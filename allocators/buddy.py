@@ -11,8 +11,9 @@ freeing merges a region with its free buddy, repeatedly::
 ``num_blocks`` need not be a power of two: the arena is managed as the largest
 aligned power-of-two chunks that tile it (24 blocks = 16 at 0 + 8 at 16), which
 never merge with each other. Internal waste shows as ``reserved_slots`` above
-``used_slots``; external fragmentation uses the largest free *region*, since a
-buddy allocator cannot place across two adjacent regions that are not buddies.
+``used_slots``; ``unusable_free_blocks`` counts the free *regions* too small for a
+request, since a buddy allocator cannot place across two adjacent regions that are
+not buddies. The largest chunk bounds the longest sequence (``max_seq_tokens``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class BuddyAllocator(RegionAllocator):
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
+        self.max_seq_tokens = (1 << (num_blocks.bit_length() - 1)) * block_size
         orders = num_blocks.bit_length()
         # Per order: the set is the truth; the heap yields the lowest address, lazily
         # skipping starts that were merged or taken since they were pushed.
@@ -53,9 +55,16 @@ class BuddyAllocator(RegionAllocator):
     def _region_size(self, table_blocks: int) -> int:
         return 1 << (table_blocks - 1).bit_length() if table_blocks else 0
 
+    def _order_with_room(self, order: int) -> int | None:
+        """The smallest order >= ``order`` that has a free region."""
+        return next((o for o in range(order, len(self._free_at)) if self._free_at[o]), None)
+
+    def _can_place(self, size: int) -> bool:
+        return self._order_with_room(size.bit_length() - 1) is not None
+
     def _place(self, size: int) -> int | None:
         order = size.bit_length() - 1
-        larger = next((o for o in range(order, len(self._free_at)) if self._free_at[o]), None)
+        larger = self._order_with_room(order)
         if larger is None:
             return None
         start = self._pop_lowest(larger)
@@ -64,19 +73,21 @@ class BuddyAllocator(RegionAllocator):
             self._add(start + (1 << larger), larger)
         return start
 
-    def _extend(self, start: int, size: int, new_size: int) -> bool:
+    def _can_extend(self, start: int, size: int, new_size: int) -> bool:
         # Doubling in place needs this region to be the lower buddy and its buddy free,
-        # at every order up to the new size; check all before taking any.
+        # at every order up to the new size.
         s = size
         while s < new_size:
             if start % (2 * s) or start + s not in self._free_at[s.bit_length() - 1]:
                 return False
             s *= 2
+        return True
+
+    def _extend(self, start: int, size: int, new_size: int) -> None:
         s = size
         while s < new_size:
             self._free_at[s.bit_length() - 1].remove(start + s)
             s *= 2
-        return True
 
     def _give_back(self, start: int, size: int) -> None:
         order = size.bit_length() - 1
@@ -102,13 +113,14 @@ class BuddyAllocator(RegionAllocator):
             for block in range(start, start + (1 << order))
         }
 
-    def _external_fragmentation(self) -> float:
-        sizes = [1 << order for order, starts in enumerate(self._free_at) for _ in starts]
-        return 1.0 - max(sizes) / sum(sizes) if sizes else 0.0
+    def unusable_free_blocks(self, num_tokens: int) -> int:
+        # Free regions never combine across buddies: only one at least as large can serve.
+        order = self._region_blocks(num_tokens).bit_length() - 1
+        return sum(len(starts) << o for o, starts in enumerate(self._free_at[:order]))
 
     def _check_placement(self) -> None:
         super()._check_placement()
-        for start, size in self._region.values():
+        for start, size in ((s.start, s.size) for s in self._seqs.values() if s.size):
             assert size & (size - 1) == 0 and start % size == 0, f"unaligned {start}+{size}"
         for order, starts in enumerate(self._free_at):
             for start in starts:

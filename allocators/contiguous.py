@@ -16,7 +16,17 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Iterable
 
-from allocators.base import BlockAllocator, blocks_for
+from allocators.base import BlockAllocator, SeqState, blocks_for
+
+
+class RegionState(SeqState):
+    """A sequence's table is the start of its region ``[start, start + size)``."""
+
+    __slots__ = ("start", "size")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start = self.size = 0
 
 
 class RegionAllocator(BlockAllocator):
@@ -28,9 +38,7 @@ class RegionAllocator(BlockAllocator):
     and reports them as copies. Subclasses place and release regions.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        super().__init__(num_blocks, block_size)
-        self._region: dict[str, tuple[int, int]] = {}  # seq -> (start, size)
+    _State = RegionState
 
     # -- placement, written by subclasses ----------------------------------------------
 
@@ -39,12 +47,20 @@ class RegionAllocator(BlockAllocator):
         return table_blocks
 
     @abstractmethod
+    def _can_place(self, size: int) -> bool:
+        """Whether a free region of ``size`` blocks exists."""
+
+    @abstractmethod
     def _place(self, size: int) -> int | None:
         """Reserve a free region of ``size`` blocks and return its start, or ``None``."""
 
     @abstractmethod
-    def _extend(self, start: int, size: int, new_size: int) -> bool:
-        """Reserve the blocks after a region so it becomes ``new_size`` long, if free."""
+    def _can_extend(self, start: int, size: int, new_size: int) -> bool:
+        """Whether the blocks after a region are free so it could become ``new_size`` long."""
+
+    @abstractmethod
+    def _extend(self, start: int, size: int, new_size: int) -> None:
+        """Reserve the blocks after a region (``_can_extend`` said yes)."""
 
     @abstractmethod
     def _give_back(self, start: int, size: int) -> None:
@@ -55,85 +71,104 @@ class RegionAllocator(BlockAllocator):
 
     # -- shared mechanics --------------------------------------------------------------
 
-    def _reserve(self, seq_id: str, start: int, size: int, table_blocks: int) -> None:
-        for block in range(start, start + size):
-            if self._ref[block] == 0:  # extending in place keeps the old blocks' references
-                self._hold(block)
-        if size:
-            self._region[seq_id] = (start, size)
-        self._tables[seq_id] = list(range(start, start + table_blocks))
+    def _hold_run(self, start: int, size: int) -> None:
+        self._ref[start : start + size] = [1] * size
+        self._used += size
 
     def _release(self, start: int, size: int) -> None:
-        for block in range(start, start + size):
-            self._drop(block)
         if size:
+            self._ref[start : start + size] = [0] * size
+            self._used -= size
             self._give_back(start, size)
 
-    def _grow(self, seq_id: str, table: list[int], old: int, new: int) -> list | None:
+    def _need(self, s: RegionState, new: int) -> int:
+        return max(0, self._region_size(blocks_for(new, self.block_size)) - s.size)
+
+    def _fits(self, s: RegionState, new: int) -> bool:
+        new_size = self._region_size(blocks_for(new, self.block_size))
+        return (
+            new_size <= s.size
+            or (s.size and self._can_extend(s.start, s.size, new_size))
+            or self._can_place(new_size)
+        )
+
+    def _grow(self, s: RegionState, new: int) -> list | None:
         need = blocks_for(new, self.block_size)
-        start, size = self._region.get(seq_id, (0, 0))
+        table = s.table
         new_size = self._region_size(need)
-        if new_size <= size:
-            self._tables[seq_id] = list(range(start, start + need))
+        if new_size <= s.size:
+            table.extend(range(s.start + len(table), s.start + need))
             return []
-        if size and self._extend(start, size, new_size):
-            self._reserve(seq_id, start, new_size, need)
+        if s.size and self._can_extend(s.start, s.size, new_size):
+            self._extend(s.start, s.size, new_size)
+            self._hold_run(s.start + s.size, new_size - s.size)
+            s.size = new_size
+            table.extend(range(s.start + len(table), s.start + need))
             return []
         # Place before releasing: the new region is disjoint, so one gather copies it.
         dst = self._place(new_size)
         if dst is None:
             return None
-        self._reserve(seq_id, dst, new_size, need)
+        self._hold_run(dst, new_size)
         copies = list(zip(table, range(dst, dst + len(table)), strict=True))
-        if size:
-            self._release(start, size)
+        old_start, old_size = s.start, s.size
+        s.start, s.size = dst, new_size
+        table[:] = range(dst, dst + need)
+        self._release(old_start, old_size)
         if copies:
             self._relocations += 1
             self._relocated_blocks += len(copies)
         return copies
 
-    def _after_trim(self, seq_id: str, dropped: list[int]) -> None:
-        start, size = self._region.get(seq_id, (0, 0))
-        new_size = self._region_size(len(self._tables[seq_id]))
-        if new_size < size:
-            self._shrink(start, size, new_size)
-            if new_size:
-                self._region[seq_id] = (start, new_size)
-            else:
-                del self._region[seq_id]
+    def _after_trim(self, s: RegionState, dropped: list[int], old: int) -> None:
+        new_size = self._region_size(len(s.table))
+        if new_size < s.size:
+            self._shrink(s.start, s.size, new_size)
+            s.size = new_size
+            if not new_size:
+                s.start = 0
 
-    def _fork(self, parent_id: str, child_id: str) -> list | None:
-        table = self._tables[parent_id]
-        size = self._region_size(len(table))
+    def _fork(self, parent: RegionState, child: RegionState) -> list | None:
+        n = len(parent.table)
+        size = self._region_size(n)
         dst = self._place(size) if size else 0
         if dst is None:
             return None
-        self._reserve(child_id, dst, size, len(table))
-        self._fork_copies += len(table)
-        return list(zip(table, self._tables[child_id], strict=True))
+        self._hold_run(dst, size)
+        child.start, child.size = dst, size
+        child.table = list(range(dst, dst + n))
+        self._fork_copies += n
+        return list(zip(parent.table, child.table, strict=True))
 
-    def _free_seq(self, seq_id: str) -> None:
-        self._release(*self._region.pop(seq_id, (0, 0)))
+    def _free_seq(self, s: RegionState) -> None:
+        self._release(s.start, s.size)
 
-    def _on_unreferenced(self, block: int) -> None:
-        """Regions are given back whole, in ``_release``."""
+    def _reclaimable(self, s: RegionState) -> int:
+        return s.size
 
-    def _held_blocks(self, seq_id: str) -> Iterable[int]:
-        start, size = self._region.get(seq_id, (0, 0))
-        return range(start, start + size)
+    def _held_blocks(self, s: RegionState) -> Iterable[int]:
+        return range(s.start, s.start + s.size)
+
+    def _held_count(self, s: RegionState) -> int:
+        return s.size
+
+    def _needs_copy(self, block: int) -> bool:
+        return False  # regions are never shared: a fork copies
+
+    def _region_blocks(self, num_tokens: int) -> int:
+        """The region a new sequence of ``num_tokens`` slots would reserve."""
+        return self._region_size(blocks_for(num_tokens, self.block_size))
 
     def _check_placement(self) -> None:
-        assert all(size for _, size in self._region.values()), "an empty region is stored"
-        for seq_id, table in self._tables.items():
-            start, size = self._region.get(seq_id, (0, 0))
-            assert table == list(range(start, start + len(table))), f"{seq_id}: not a run"
-            # A sequence only matched (never allocated) has no region yet.
-            expected = {self._region_size(len(table))} | (set() if table else {0})
-            assert size in expected, f"{seq_id}: region size {size}"
+        for seq_id, s in self._seqs.items():
+            table = s.table
+            assert table == list(range(s.start, s.start + len(table))), f"{seq_id}: not a run"
+            assert s.size == self._region_size(len(table)), f"{seq_id}: region size {s.size}"
 
 
 class ContiguousAllocator(RegionAllocator):
-    """First-fit contiguous runs; ``reserve="max_len"`` reserves ``max_len`` slots up front."""
+    """First-fit contiguous runs; ``reserve="max_len"`` reserves ``max_len`` slots up front
+    (at most the whole arena), as Orca's max-length reservation does."""
 
     def __init__(
         self, num_blocks: int, block_size: int, reserve: str = "exact", max_len: int | None = None
@@ -146,11 +181,16 @@ class ContiguousAllocator(RegionAllocator):
         ):
             raise ValueError(f"max_len must be an int >= 1 with reserve='max_len', got {max_len!r}")
         self.reserve = reserve
-        self._reserve_blocks = blocks_for(max_len, block_size) if reserve == "max_len" else 0
+        self._reserve_blocks = (
+            min(blocks_for(max_len, block_size), num_blocks) if reserve == "max_len" else 0
+        )
         self._is_free = bytearray(b"\x01" * num_blocks)  # bytes.find scans it at C speed
 
     def _region_size(self, table_blocks: int) -> int:
-        return max(table_blocks, self._reserve_blocks)
+        return max(table_blocks, self._reserve_blocks) if table_blocks else 0
+
+    def _can_place(self, size: int) -> bool:
+        return self._is_free.find(b"\x01" * size) >= 0
 
     def _place(self, size: int) -> int | None:
         start = self._is_free.find(b"\x01" * size)
@@ -159,12 +199,12 @@ class ContiguousAllocator(RegionAllocator):
         self._is_free[start : start + size] = bytes(size)
         return start
 
-    def _extend(self, start: int, size: int, new_size: int) -> bool:
+    def _can_extend(self, start: int, size: int, new_size: int) -> bool:
         end = start + new_size
-        if end > self.num_blocks or 0 in self._is_free[start + size : end]:
-            return False
-        self._is_free[start + size : end] = bytes(new_size - size)
-        return True
+        return end <= self.num_blocks and 0 not in self._is_free[start + size : end]
+
+    def _extend(self, start: int, size: int, new_size: int) -> None:
+        self._is_free[start + size : start + new_size] = bytes(new_size - size)
 
     def _give_back(self, start: int, size: int) -> None:
         self._is_free[start : start + size] = b"\x01" * size
@@ -172,6 +212,6 @@ class ContiguousAllocator(RegionAllocator):
     def _free_blocks(self) -> set[int]:
         return {b for b, free in enumerate(self._is_free) if free}
 
-    def _external_fragmentation(self) -> float:
-        runs = [len(run) for run in bytes(self._is_free).split(b"\x00") if run]
-        return 1.0 - max(runs) / sum(runs) if runs else 0.0
+    def unusable_free_blocks(self, num_tokens: int) -> int:
+        size = self._region_blocks(num_tokens)
+        return sum(len(run) for run in bytes(self._is_free).split(b"\x00") if len(run) < size)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from allocators.base import BlockAllocator, blocks_for
+from allocators.base import BlockAllocator, SeqState, blocks_for
 
 
 class FreeListAllocator(BlockAllocator):
@@ -28,52 +28,87 @@ class FreeListAllocator(BlockAllocator):
         self._free: deque[int] = deque(range(num_blocks))
 
     def _take(self) -> int:
-        """A free block, held by the caller."""
+        """A free block, now held once by the caller."""
         block = self._free.popleft()
-        self._hold(block)
+        self._ref[block] = 1
+        self._used += 1
         return block
 
-    def _needs_copy(self, block: int) -> bool:
-        """Whether writing into ``block`` would change KV someone else reads."""
-        return self._ref[block] > 1
+    def _drop(self, block: int, fill: int) -> None:
+        """Release one reference to ``block``, whose holder filled ``fill`` slots of it."""
+        ref = self._ref[block] - 1
+        self._ref[block] = ref
+        if ref:
+            self._shared_slots -= fill
+        else:
+            self._used -= 1
+            self._on_unreferenced(block)
 
-    def _grow(self, seq_id: str, table: list[int], old: int, new: int) -> list | None:
-        bs = self.block_size
-        # Only a partially written last block can be both in the table and in the write range.
-        cow = old % bs != 0 and self._needs_copy(table[old // bs])
-        fresh = blocks_for(new, bs) - len(table)
+    def _cow(self, s: SeqState) -> bool:
+        """Whether growing ``s`` must first copy its partly written last block."""
+        return s.num_tokens % self.block_size != 0 and self._needs_copy(s.table[-1])
+
+    def _need(self, s: SeqState, new: int) -> int:
+        fresh = blocks_for(new, self.block_size) - len(s.table)
+        # A copied block that only this sequence held goes to the cache, which counts as free.
+        return fresh + (self._cow(s) and self._ref[s.table[-1]] > 1)
+
+    def _fits(self, s: SeqState, new: int) -> bool:
+        fresh = blocks_for(new, self.block_size) - len(s.table)
+        return fresh + self._cow(s) <= self.num_blocks - self._used
+
+    def _grow(self, s: SeqState, new: int) -> list | None:
+        table = s.table
+        cow = self._cow(s)
+        fresh = blocks_for(new, self.block_size) - len(table)
         # Count everything first: a failed allocate must change nothing.
-        if fresh + cow > self.num_free_blocks():
+        if fresh + cow > self.num_blocks - self._used:
             return None
-        table = self._tables.setdefault(seq_id, table)
         copies = []
         if cow:
-            i = old // bs
-            src, dst = table[i], self._take()
-            table[i] = dst
+            src, dst = table[-1], self._take()
+            table[-1] = dst
             # Drop only after taking: a cached source must not be evicted into its own copy.
-            self._drop(src)
+            self._drop(src, s.num_tokens % self.block_size)
             self._cow_copies += 1
             copies.append((src, dst))
-        table.extend(self._take() for _ in range(fresh))
+        take = self._take
+        for _ in range(fresh):
+            table.append(take())
         return copies
 
-    def _after_trim(self, seq_id: str, dropped: list[int]) -> None:
-        for block in reversed(dropped):
-            self._drop(block)
+    def _after_trim(self, s: SeqState, dropped: list[int], old: int) -> None:
+        bs = self.block_size
+        first = len(s.table)
+        for i in reversed(range(len(dropped))):
+            self._drop(dropped[i], min(bs, old - (first + i) * bs))
 
-    def _fork(self, parent_id: str, child_id: str) -> list | None:
-        table = list(self._tables[parent_id])
-        for block in table:
-            self._hold(block)
-        self._tables[child_id] = table
+    def _fork(self, parent: SeqState, child: SeqState) -> list | None:
+        ref = self._ref
+        for block in parent.table:
+            ref[block] += 1
+        child.table = list(parent.table)
+        self._shared_slots += parent.num_tokens  # every slot of the parent is now held twice
         return []
 
-    def _free_seq(self, seq_id: str) -> None:
+    def _free_seq(self, s: SeqState) -> None:
         # Tail first, so the prefix (the part most likely to be shared again) is freed last
         # and stays in the cache longest where a subclass caches.
-        for block in reversed(self._tables[seq_id]):
-            self._drop(block)
+        table, ref, bs = s.table, self._ref, self.block_size
+        fill = s.num_tokens - (len(table) - 1) * bs  # the last block's; full ones before it
+        for block in reversed(table):
+            r = ref[block] - 1
+            ref[block] = r
+            if r:
+                self._shared_slots -= fill
+            else:
+                self._used -= 1
+                self._on_unreferenced(block)
+            fill = bs
+
+    def _reclaimable(self, s: SeqState) -> int:
+        ref = self._ref
+        return sum(ref[block] == 1 for block in s.table)
 
     def _on_unreferenced(self, block: int) -> None:
         self._free.append(block)

@@ -59,9 +59,9 @@ STEP_SCHEMA: dict[str, str] = {
     "slots_tokens": "int",  # KV slots holding token states
     "slots_future": "int",  # allocated for tokens still to come (within prompt+max_tokens)
     "slots_internal": "int",  # allocated but never to be used (block/region slack)
-    "slots_external": "int",  # free but unusable: external_fragmentation * free slots
+    "slots_external": "int",  # free slots in runs/regions too small for the next request in line
     "slots_total": "int",  # arena slots
-    "external_fragmentation": "float",
+    "external_fragmentation": "float",  # slots_external over free slots (vLLM paper's sense)
     "mlx_active_bytes": "int",
     "mlx_peak_bytes": "int",
     "spec_proposed": "int",

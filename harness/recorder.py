@@ -59,28 +59,33 @@ class Recorder:
         computes, so the bookkeeping overlaps the model instead of adding to the step)."""
         if not self.enabled:
             return None
-        stats = self.allocator.stats()
+        alloc = self.allocator
+        stats = alloc.stats()
         bs = stats.block_size
         future = 0
         for seq in scheduler.running:
             final = min(seq.num_prompt_tokens + seq.params.max_tokens, scheduler.max_model_len)
-            held = len(self.allocator.block_table(seq.request_id)) * bs
+            held = alloc.held_slots(seq.request_id)  # region slack included
             future += max(0, min(held, final) - seq.num_computed_tokens)
         spare = max(0, stats.reserved_slots - stats.used_slots)
         future = min(future, spare)
+        # External fragmentation as the vLLM paper means it: free blocks that cannot serve
+        # the request next in line (runs or buddies too small for its region).
+        head = scheduler.next_incoming()
+        unusable = alloc.unusable_free_blocks(head.num_tokens) if head is not None else 0
         return {
             "num_waiting": len(scheduler.waiting),
             "num_running": len(scheduler.running),
-            "num_swapped": len(getattr(scheduler, "swapped", ())),
+            "num_swapped": len(scheduler.swapped),
             "blocks_used": stats.used_blocks,
             "blocks_free": stats.free_blocks,
             "blocks_cached": stats.cached_blocks,
             "slots_tokens": stats.used_slots,
             "slots_future": future,
             "slots_internal": spare - future,
-            "slots_external": round(stats.external_fragmentation * stats.free_blocks * bs),
+            "slots_external": unusable * bs,
             "slots_total": stats.num_blocks * bs,
-            "external_fragmentation": stats.external_fragmentation,
+            "external_fragmentation": unusable / stats.free_blocks if stats.free_blocks else 0.0,
             "mlx_active_bytes": mx.get_active_memory(),
         }
 

@@ -3,8 +3,11 @@
 A scheduler decides; it never touches tensors. Each step it returns a ``SchedulerOutput``:
 which sequences run and how many new tokens each computes, who was preempted and how
 (recompute or swap), which swapped sequences come back, and the block copies the runner
-applies first. It asks the allocator for blocks through the allocator's contract
-(``match_prefix``/``allocate``/``block_table``/``free``) and nothing else.
+applies first. It asks the allocator for blocks through the allocator's contract and never
+does block arithmetic itself: how many blocks a growth or an admission takes
+(``blocks_needed``), whether it can be placed at all (``can_allocate``: regions need a run
+or a buddy of the right size), and what a victim would give back (``reclaimable_blocks``)
+are the allocator's answers, exact for paged, region and caching allocators alike.
 
 One step, decode-first (the default)::
 
@@ -151,6 +154,11 @@ class Scheduler(ABC):
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
+    def next_incoming(self) -> Sequence | None:
+        """The request that comes in next when room allows (the head of the line)."""
+        order = self._incoming_order()
+        return order[0] if order else None
+
     # -- the step decision ---------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         """Decide one step at time ``now`` (see the module docstring)."""
@@ -162,8 +170,7 @@ class Scheduler(ABC):
         budget = self.max_num_batched_tokens
         running = self._running_order()
         if self.prefill_first:
-            bs = self.allocator.block_size
-            growth = sum(s.num_computed_tokens % bs == 0 for s in running)
+            growth = sum(self._decode_blocks(s) for s in running)
             budget = self._bring_in(out, budget, now, reserve=growth)
             self._schedule_running(out, budget, running)
         else:
@@ -228,7 +235,7 @@ class Scheduler(ABC):
             if not swapped:
                 seq.num_computed_tokens = cached
             n = 0 if swapped else self._chunk(seq, budget)
-            alloc = self._take(seq, cached, reserve) if n > 0 or swapped else None
+            alloc = self._take(seq, reserve) if n > 0 or swapped else None
             if alloc is None:
                 self.allocator.free(seq.request_id)  # drop the prefix references taken above
                 if not swapped:
@@ -247,7 +254,8 @@ class Scheduler(ABC):
                 self.swapped.remove(seq)
                 host = self.host_blocks.pop(seq.request_id)
                 first = cached // self.allocator.block_size
-                out.swapped_in.append(SwapIn(seq, alloc.block_table[first:host], first))
+                table = self.allocator.block_table(seq.request_id)
+                out.swapped_in.append(SwapIn(seq, tuple(table[first:host]), first))
                 continue
             self.waiting.remove(seq)
             if seq.num_cached_tokens is None:
@@ -257,20 +265,26 @@ class Scheduler(ABC):
             budget = self._run(out, seq, n, alloc, budget)
         return budget
 
-    def _take(self, seq: Sequence, cached: int, reserve: int) -> Allocation | None:
-        """Blocks for all the tokens of an incoming ``seq`` (``cached`` of them shared from
-        the prefix cache), if ``reserve`` blocks and the watermark stay free.
+    def _decode_blocks(self, seq: Sequence) -> int:
+        """Blocks ``seq`` takes to compute one more token."""
+        return self.allocator.blocks_needed(seq.request_id, seq.num_computed_tokens + 1)
+
+    def _take(self, seq: Sequence, reserve: int) -> Allocation | None:
+        """Blocks for all the tokens of an incoming ``seq`` (its prefix-cache match already
+        taken), if ``reserve`` blocks and the watermark stay free.
 
         A prompt gets all its blocks at admission even when it computes only a chunk now (as
         vLLM v0 does with chunked prefill): chunked prefills that each hold part of their
         prompt could otherwise preempt each other forever, and a region allocator could
         leave a lone prefill unable to grow."""
-        bs = self.allocator.block_size
+        alloc, rid = self.allocator, seq.request_id
         whole = seq.num_computed_tokens if seq.status is Status.SWAPPED else seq.num_tokens
         keep = reserve + (self.watermark_blocks if self.running else 0)
-        if self.allocator.num_free_blocks() - (blocks_for(whole, bs) - cached // bs) < keep:
+        if not alloc.can_allocate(rid, whole) or (
+            alloc.num_free_blocks() - alloc.blocks_needed(rid, whole) < keep
+        ):
             return None
-        return self.allocator.allocate(seq.request_id, whole)
+        return alloc.allocate(rid, whole)
 
     @staticmethod
     def _run(out: SchedulerOutput, seq: Sequence, n: int, alloc: Allocation, budget: int) -> int:
@@ -281,9 +295,12 @@ class Scheduler(ABC):
     def _never_fits(self, seq: Sequence) -> str | None:
         if seq.num_tokens > self.max_model_len:
             return f"prompt of {seq.num_tokens} tokens exceeds max_model_len={self.max_model_len}"
-        capacity = self.allocator.num_blocks * self.allocator.block_size
+        capacity = self.allocator.max_seq_tokens
         if seq.num_tokens > capacity:
-            return f"prompt of {seq.num_tokens} tokens exceeds the KV arena ({capacity} slots)"
+            return (
+                f"prompt of {seq.num_tokens} tokens exceeds the {capacity} KV slots one "
+                "sequence can hold in this arena"
+            )
         return None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

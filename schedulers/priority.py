@@ -20,8 +20,8 @@ Victims under memory pressure (``victim``), as in the low-level design seed:
 
 from __future__ import annotations
 
-from allocators.base import BlockAllocator, blocks_for
-from harness.request import Sequence
+from allocators.base import BlockAllocator
+from harness.request import Sequence, Status
 from schedulers.base import Scheduler, SchedulerOutput
 
 VICTIMS = ("priority", "fcfs", "shortest_remaining", "recompute_cheapest")
@@ -81,17 +81,28 @@ class PriorityScheduler(Scheduler):
         head = incoming[0]
         if self._never_fits(head):
             return
+        alloc, rid = self.allocator, head.request_id
+        whole = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
+        prefix = head.token_ids[: whole + 1]  # what its admission will match in a prefix cache
+
+        def fits() -> bool:
+            return alloc.can_allocate(rid, whole, prefix) and (
+                alloc.num_free_blocks() - alloc.blocks_needed(rid, whole, prefix)
+                >= self.watermark_blocks
+            ) and len(self.running) < self.max_num_seqs
+
         lower = sorted((s for s in self.running if self.rank(s) > self.rank(head)), key=self.rank)
-        bs = self.allocator.block_size
-        need = blocks_for(head.num_tokens, bs) + self.watermark_blocks
-        held = {s.request_id: len(self.allocator.block_table(s.request_id)) for s in lower}
-        free = self.allocator.num_free_blocks()
-        if free + sum(held.values()) < need or len(self.running) - len(lower) >= self.max_num_seqs:
+        reclaimable = sum(alloc.reclaimable_blocks(s.request_id) for s in lower)
+        need = alloc.blocks_needed(rid, whole, prefix) + self.watermark_blocks
+        if (
+            alloc.num_free_blocks() + reclaimable < need
+            or len(self.running) - len(lower) >= self.max_num_seqs
+        ):
             return  # preempting every lower-ranked request would still not let it in
-        while lower and (free < need or len(self.running) >= self.max_num_seqs):
-            victim = lower.pop()
-            self._preempt(victim, out)
-            free += held[victim.request_id]
+        # One victim at a time, asking again after each: a region allocator may need one
+        # region freed, not the blocks of many.
+        while lower and not fits():
+            self._preempt(lower.pop(), out)
 
 
 def _remaining(seq: Sequence) -> int:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from allocators.base import BlockAllocator, blocks_for
+from allocators.base import BlockAllocator
 from harness.request import Sequence
 from schedulers.base import Scheduled, Scheduler, SchedulerOutput
 
@@ -109,7 +109,7 @@ class SpeculativeScheduler:
         out = SpeculativeOutput(**{f.name: getattr(plan, f.name) for f in fields(plan)})
         for seq, _ in out.preempted:
             self._release(seq.request_id)
-        alloc, bs = self.allocator, self.allocator.block_size
+        alloc = self.allocator
         budget = self.base.max_num_batched_tokens - out.num_batched_tokens
         headroom = len(self.base.running) + self.base.watermark_blocks
         copies = list(out.copies)
@@ -118,8 +118,10 @@ class SpeculativeScheduler:
             if not k or k > budget:
                 continue
             have = s.seq.num_computed_tokens + 1
-            need = blocks_for(have + k, bs) - blocks_for(have, bs)
-            if alloc.num_free_blocks() - need < headroom:
+            need = alloc.blocks_needed(s.seq.request_id, have + k)
+            if not alloc.can_allocate(s.seq.request_id, have + k) or (
+                alloc.num_free_blocks() - need < headroom
+            ):
                 continue
             grown = alloc.allocate(s.seq.request_id, have + k)
             if grown is None:

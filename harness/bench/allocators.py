@@ -11,7 +11,9 @@ one does not fit. A growth that fails preempts that sequence (it is freed and
 re-queued first, keeping its tokens, as recompute preemption does); every ``None``
 counts as a failed allocation. Prefix variants also call ``match_prefix`` on
 admission and ``commit`` at each block boundary. Only time spent inside allocator
-calls is timed.
+calls is timed; a second table gives per-call latency percentiles (p50/p99) of the
+growth ``allocate`` (one token), the admission ``allocate`` (a whole prompt) and
+``free``, next to the timer's own cost (an empty call timed the same way).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import random
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,7 +29,6 @@ from dataclasses import dataclass, field
 from allocators.base import BlockAllocator, blocks_for
 
 MAX_PROMPT, MAX_OUTPUT, SYSTEM_LEN, NUM_SYSTEM_PROMPTS = 1024, 512, 256, 4
-SAMPLE_EVERY = 8  # steps between stats() samples: stats is O(table entries)
 TOKEN_SPACE = 1 << 20  # per-sequence token ids are unique, so only system prompts are shared
 
 
@@ -61,6 +63,7 @@ class Result:
     peak_used: int = 0
     utilisation: list[float] = field(default_factory=list)
     fragmentation: list[float] = field(default_factory=list)
+    latency: dict[str, list[int]] = field(default_factory=dict)  # call kind -> ns per call
     relocations: int = 0
     copied_blocks: int = 0
     failed: int = 0
@@ -106,11 +109,16 @@ def replay(variant: Variant, trace: list[SeqSpec], num_blocks: int, block_size: 
     running: dict[str, list[int]] = {}  # seq id -> [trace index, tokens]
     arrived, step = 0, 0
 
-    def call(method: str, *args: object) -> object:
-        start = time.perf_counter()
-        out = getattr(alloc, method)(*args)
-        res.seconds += time.perf_counter() - start
+    clock = time.perf_counter_ns
+
+    def call(method: str, *args: object, kind: str = "") -> object:
+        fn = getattr(alloc, method)
+        start = clock()
+        out = fn(*args)
+        took = clock() - start
+        res.seconds += took * 1e-9
         res.ops += 1
+        res.latency.setdefault(kind or method, []).append(took)
         return out
 
     while arrived < len(trace) or waiting or running:
@@ -122,7 +130,7 @@ def replay(variant: Variant, trace: list[SeqSpec], num_blocks: int, block_size: 
         for seq, state in list(running.items()):
             index, n = state
             spec = trace[index]
-            if call("allocate", seq, n + 1) is None:
+            if call("allocate", seq, n + 1, kind="grow") is None:
                 res.failed += 1
                 res.preemptions += 1
                 call("free", seq)
@@ -140,7 +148,7 @@ def replay(variant: Variant, trace: list[SeqSpec], num_blocks: int, block_size: 
             seq, spec = str(index), trace[index]
             if variant.prefix:
                 call("match_prefix", seq, tokens(index, spec, n))
-            if call("allocate", seq, n) is None:
+            if call("allocate", seq, n, kind="admit") is None:
                 res.failed += 1
                 call("free", seq)  # drops the references match_prefix took
                 break
@@ -149,10 +157,12 @@ def replay(variant: Variant, trace: list[SeqSpec], num_blocks: int, block_size: 
             running[seq] = [index, n]
             waiting.popleft()
         res.peak_used = max(res.peak_used, num_blocks - alloc.num_free_blocks())
-        if running and step % SAMPLE_EVERY == 0:
+        if running:
             stats = alloc.stats()
             res.utilisation.append(stats.utilisation)
-            res.fragmentation.append(stats.external_fragmentation)
+            if waiting and stats.free_blocks:
+                unusable = alloc.unusable_free_blocks(waiting[0][1])
+                res.fragmentation.append(unusable / stats.free_blocks)
         step += 1
     alloc.check()
     stats = alloc.stats()
@@ -177,6 +187,40 @@ def variants(max_len: int) -> list[Variant]:
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def _timer_floor_ns(repeats: int = 100_000) -> float:
+    """Median cost of timing an empty call the way ``replay`` times allocator calls."""
+    clock, samples = time.perf_counter_ns, []
+
+    def empty() -> None:
+        return None
+
+    for _ in range(repeats):
+        start = clock()
+        empty()
+        samples.append(clock() - start)
+    return statistics.median(samples)
+
+
+def _percentile(xs: list[int], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def format_latency(results: list[Result]) -> str:
+    """Per-call latency percentiles (microseconds) of growth, admission and free."""
+    kinds = ("grow", "admit", "free")
+    head = f"{'allocator':<19}" + "".join(f"{k + ' p50':>11}{k + ' p99':>11}" for k in kinds)
+    rows = [head, "-" * len(head)]
+    for r in results:
+        cells = "".join(
+            f"{_percentile(r.latency.get(k, []), 0.5) / 1e3:>11.2f}"
+            f"{_percentile(r.latency.get(k, []), 0.99) / 1e3:>11.2f}"
+            for k in kinds
+        )
+        rows.append(f"{r.name:<19}{cells}")
+    return "\n".join(rows)
 
 
 def format_table(results: list[Result]) -> str:
@@ -220,7 +264,13 @@ def main(argv: list[str]) -> None:
     results = [replay(v, trace, args.num_blocks, args.block_size) for v in variants(max_len)]
     print(format_table(results))
     print(
-        "peak = blocks held at once; util = used/reserved slots and frag = 1 - largest free "
-        f"run/free, sampled every {SAMPLE_EVERY} steps; copied = blocks copied (relocation + "
-        "COW); failed = allocate calls returning None"
+        "peak = blocks held at once; util = used/reserved slots (mean over steps); frag = free "
+        "blocks too small for the next waiting sequence's region / free blocks (mean over steps "
+        "with a waiting sequence); copied = blocks copied (relocation + COW); failed = allocate "
+        "calls returning None\n"
+    )
+    print(format_latency(results))
+    print(
+        "us per call: grow = allocate by one token, admit = allocate of a whole prompt; timer "
+        f"floor (an empty call timed the same way) {_timer_floor_ns() / 1e3:.2f} us"
     )

@@ -195,7 +195,8 @@ class BlockAllocator(ABC):
             self._token_slots += num_tokens - s.num_tokens
             s.num_tokens = num_tokens
             return NO_COPIES
-        _check_count("num_tokens", num_tokens, 0)
+        if type(num_tokens) is not int or num_tokens < 0:
+            _check_count("num_tokens", num_tokens, 0)  # raises, naming the argument
         new = s is None
         if new:
             s = self._State()
@@ -305,7 +306,7 @@ class BlockAllocator(ABC):
 
     def stats(self) -> AllocatorStats:
         """A snapshot of blocks, slots and counters, O(1)."""
-        cached = self._num_cached()
+        cached = self._num_cached_blocks()
         return AllocatorStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -345,7 +346,7 @@ class BlockAllocator(ABC):
         assert not held.keys() & (free | cached), "a held block is also free or cached"
         assert len(free) + len(cached) + len(held) == self.num_blocks, "blocks lost or duplicated"
         assert self.num_free_blocks() == len(free) + len(cached), "num_free_blocks() is off"
-        assert self._num_cached() == len(cached), "cached count is off"
+        assert self._num_cached_blocks() == len(cached), "cached count is off"
         assert self._token_slots == sum(s.num_tokens for s in self._seqs.values())
         fill = self._fill()
         assert self._token_slots - self._shared_slots == sum(fill.values()), "used slots off"
@@ -461,7 +462,7 @@ class BlockAllocator(ABC):
     def _cached_blocks(self) -> set[int]:
         return set()
 
-    def _num_cached(self) -> int:
+    def _num_cached_blocks(self) -> int:
         return 0
 
     def _check_placement(self) -> None:  # noqa: B027 (optional hook)

@@ -28,11 +28,15 @@ class FreeListAllocator(BlockAllocator):
         self._free: deque[int] = deque(range(num_blocks))
 
     def _take(self) -> int:
-        """A free block, now held once by the caller."""
+        """A free block, now held once by the caller (``_refill`` made sure there is one)."""
         block = self._free.popleft()
         self._ref[block] = 1
         self._used += 1
         return block
+
+    def _refill(self, count: int) -> None:
+        """Make the free list hold ``count`` blocks; a cache evicts to do so. The caller
+        has checked ``count <= num_free_blocks()``."""
 
     def _drop(self, block: int, fill: int) -> None:
         """Release one reference to ``block``, whose holder filled ``fill`` slots of it."""
@@ -42,7 +46,7 @@ class FreeListAllocator(BlockAllocator):
             self._shared_slots -= fill
         else:
             self._used -= 1
-            self._on_unreferenced(block)
+            self._on_unreferenced([block])
 
     def _cow(self, s: SeqState) -> bool:
         """Whether growing ``s`` must first copy its partly written last block."""
@@ -58,12 +62,14 @@ class FreeListAllocator(BlockAllocator):
         return fresh + self._cow(s) <= self.num_blocks - self._used
 
     def _grow(self, s: SeqState, new: int) -> list | None:
-        table = s.table
+        table, free = s.table, self._free
         cow = self._cow(s)
-        fresh = blocks_for(new, self.block_size) - len(table)
+        fresh = -(-new // self.block_size) - len(table)
         # Count everything first: a failed allocate must change nothing.
         if fresh + cow > self.num_blocks - self._used:
             return None
+        if fresh + cow > len(free):
+            self._refill(fresh + cow)
         copies = []
         if cow:
             src, dst = table[-1], self._take()
@@ -72,9 +78,13 @@ class FreeListAllocator(BlockAllocator):
             self._drop(src, s.num_tokens % self.block_size)
             self._cow_copies += 1
             copies.append((src, dst))
-        take = self._take
-        for _ in range(fresh):
-            table.append(take())
+        if fresh:  # the hot path of growth: inline _take
+            ref = self._ref
+            for _ in range(fresh):
+                block = free.popleft()
+                ref[block] = 1
+                table.append(block)
+            self._used += fresh
         return copies
 
     def _after_trim(self, s: SeqState, dropped: list[int], old: int) -> None:
@@ -96,22 +106,25 @@ class FreeListAllocator(BlockAllocator):
         # and stays in the cache longest where a subclass caches.
         table, ref, bs = s.table, self._ref, self.block_size
         fill = s.num_tokens - (len(table) - 1) * bs  # the last block's; full ones before it
+        released = []
         for block in reversed(table):
             r = ref[block] - 1
             ref[block] = r
             if r:
                 self._shared_slots -= fill
             else:
-                self._used -= 1
-                self._on_unreferenced(block)
+                released.append(block)
             fill = bs
+        self._used -= len(released)
+        self._on_unreferenced(released)
 
     def _reclaimable(self, s: SeqState) -> int:
         ref = self._ref
         return sum(ref[block] == 1 for block in s.table)
 
-    def _on_unreferenced(self, block: int) -> None:
-        self._free.append(block)
+    def _on_unreferenced(self, blocks: list[int]) -> None:
+        """These blocks lost their last reference (in this order): free them."""
+        self._free.extend(blocks)
 
     def _free_blocks(self) -> set[int]:
         return set(self._free)

@@ -19,10 +19,12 @@ evicted first; a node's clock ticks on every match and commit that touches it)::
     fifo  creation                 slru  (hits >= 2, last access): probationary first
 
 Candidates sit in a heap whose entries go stale instead of being removed: an entry
-counts only while its node still carries the entry's tie (a match that holds the
+counts only while its node still carries the entry's key (a match that holds the
 node again, or its eviction, clears it). A touch is O(1), an eviction O(log n)
 amortised (vLLM v1 reaches O(1) for LRU alone with a linked free queue; a heap
-serves every policy).
+serves every policy). A key is one int, the policy's value then the block id (ties
+go to the lower block), so the heap holds no Python container the garbage collector
+would have to walk.
 
 Invariant that makes every cached block evictable: the indexed blocks of a table
 are a prefix of it and a path from the root, so a held node's ancestors are held
@@ -32,7 +34,6 @@ too, and an unheld node has no held descendant.
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Callable, Sequence
 
 from allocators.base import SeqState
@@ -40,16 +41,29 @@ from allocators.free_list import FreeListAllocator
 
 
 class _Node:
-    __slots__ = ("key", "block", "parent", "children", "last_access", "hits", "created", "tie")
+    """A block's place in the tree; one per block, reused each time the block is indexed.
+    ``parent is None`` means the block is not indexed (the root has no block)."""
 
-    def __init__(self, key: tuple[int, ...], block: int, parent: _Node | None, now: int) -> None:
-        self.key = key
+    __slots__ = (
+        "key",
+        "hkey",
+        "block",
+        "parent",
+        "children",
+        "last_access",
+        "hits",
+        "created",
+        "entry",
+    )
+
+    def __init__(self, block: int) -> None:
+        self.key: tuple[int, ...] = ()
+        self.hkey = 0  # hash(key): the children dicts are keyed by it, checked against key
         self.block = block
-        self.parent = parent
-        self.children: dict[tuple[int, ...], _Node] = {}
-        self.last_access = self.created = now
-        self.hits = 0
-        self.tie = -1  # the tie of its live heap entry; -1 while it is no eviction candidate
+        self.parent: _Node | None = None
+        self.children: dict[int, _Node] = {}
+        self.last_access = self.created = self.hits = 0
+        self.entry: int | None = None  # the key of its live heap entry, if a candidate
 
 
 class RadixState(SeqState):
@@ -62,13 +76,15 @@ class RadixState(SeqState):
         self.cursor = 0
 
 
-EVICTION: dict[str, Callable[[_Node], object]] = {
+_FIELD = 40  # bits for a clock value or a block id inside a heap key
+_BLOCK = (1 << _FIELD) - 1
+EVICTION: dict[str, Callable[[_Node], int]] = {
     "lru": lambda n: n.last_access,
-    "lfu": lambda n: (n.hits, n.last_access),
+    "lfu": lambda n: n.hits << _FIELD | n.last_access,
     "fifo": lambda n: n.created,
     "mru": lambda n: -n.last_access,
     "filo": lambda n: -n.created,
-    "slru": lambda n: (n.hits >= 2, n.last_access),
+    "slru": lambda n: (n.hits >= 2) << _FIELD | n.last_access,
 }
 
 
@@ -84,12 +100,13 @@ class RadixAllocator(FreeListAllocator):
             raise ValueError(f"eviction={eviction!r}: use one of {sorted(EVICTION)}")
         self.eviction = eviction
         self._priority = EVICTION[eviction]
-        self._root = _Node((), -1, None, 0)
-        self._node_of: dict[int, _Node] = {}
-        self._cached: set[int] = set()
-        self._evictable: list[tuple[object, int, _Node]] = []  # (priority, tie, node)
-        self._tie = itertools.count()
+        self._root = _Node(-1)
+        self._nodes = [_Node(block) for block in range(num_blocks)]
+        self._num_cached = 0  # indexed blocks nobody holds
+        self._candidates: list[int] = []  # heap of keys of unreferenced leaves
         self._clock = 0
+
+    # -- lookups and indexing ----------------------------------------------------------
 
     def _key(self, token_ids: Sequence[int], i: int) -> tuple[int, ...]:
         bs = self.block_size
@@ -101,8 +118,9 @@ class RadixAllocator(FreeListAllocator):
         limit = max(len(token_ids) - 1, 0) // self.block_size
         node, path = self._root, []
         for i in range(limit):
-            node = node.children.get(self._key(token_ids, i))
-            if node is None:
+            key = self._key(token_ids, i)
+            node = node.children.get(hash(key))
+            if node is None or node.key != key:
                 break
             path.append(node)
         return path
@@ -118,9 +136,9 @@ class RadixAllocator(FreeListAllocator):
             if ref[block]:
                 self._shared_slots += bs
             else:
-                self._cached.discard(block)
+                self._num_cached -= 1
                 self._used += 1
-                node.tie = -1  # held again: its heap entry goes stale
+                node.entry = None  # held again: its heap entry goes stale
             ref[block] += 1
         s.table = [node.block for node in path]
         s.cursor = len(path)
@@ -139,32 +157,33 @@ class RadixAllocator(FreeListAllocator):
 
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
         s = self._seqs.get(seq_id)
-        # The common call (no block became full since the last commit) returns at once.
         n = len(token_ids)
-        if s is None or n // self.block_size > s.cursor or n > s.num_tokens:
-            super().commit(seq_id, token_ids)
+        if s is None or n > s.num_tokens:
+            super().commit(seq_id, token_ids)  # raises, naming the fix
+        elif n // self.block_size > s.cursor:  # most calls fill no block and stop here
+            self._commit(s, token_ids)
 
     def _commit(self, s: RadixState, token_ids: Sequence[int]) -> None:
         full = len(token_ids) // self.block_size
-        i = s.cursor
-        if full <= i:
-            return
-        table = s.table
-        node = self._node_of[table[i - 1]] if i else self._root
+        i, table, nodes = s.cursor, s.table, self._nodes
+        node = nodes[table[i - 1]] if i else self._root
         self._clock += 1
+        bs = self.block_size
         while i < full:
-            block, key = table[i], self._key(token_ids, i)
-            child = node.children.get(key)
-            if (child is None or child.block != block) and block in self._node_of:
+            mine, key = nodes[table[i]], tuple(token_ids[i * bs : (i + 1) * bs])
+            hkey = hash(key)
+            child = node.children.get(hkey)
+            if child is not mine and mine.parent is not None:
                 raise ValueError(
-                    f"commit: token_ids disagree with the tokens cached in block {block}; "
+                    f"commit: token_ids disagree with the tokens cached in block {mine.block}; "
                     "commit the tokens that were written"
                 )
             if child is None:
-                child = node.children[key] = _Node(key, block, node, self._clock)
-                self._node_of[block] = child
-            elif child.block != block:
-                # The same tokens are cached in another block (computed concurrently): this
+                mine.key, mine.hkey, mine.parent = key, hkey, node
+                mine.created, mine.hits = self._clock, 0
+                node.children[hkey] = child = mine
+            elif child is not mine:
+                # The same tokens (or, rarely, a hash twin) are cached in another block: this
                 # sequence keeps its own copy unindexed, which keeps the invariant above.
                 break
             child.last_access = self._clock
@@ -183,75 +202,77 @@ class RadixAllocator(FreeListAllocator):
 
     def _needs_copy(self, block: int) -> bool:
         # Indexed KV must stay immutable: later matches read it.
-        return self._ref[block] > 1 or block in self._node_of
+        return self._ref[block] > 1 or self._nodes[block].parent is not None
 
-    def _take(self) -> int:
-        if not self._free:
-            self._free.append(self._evict())
-        block = self._free.popleft()
-        self._ref[block] = 1
-        self._used += 1
-        return block
+    # -- caching and eviction ----------------------------------------------------------
 
-    def _evict(self) -> int:
-        """Unindex the unreferenced leaf the policy ranks first and return its block."""
-        heap = self._evictable
-        while True:
-            _, tie, node = heapq.heappop(heap)
-            if node.tie == tie:
-                break
-        node.tie = -1
-        parent = node.parent
-        assert parent is not None
-        del parent.children[node.key]
-        block = node.block
-        del self._node_of[block]
-        self._cached.discard(block)
-        self._evictions += 1
-        if parent is not self._root and not parent.children and self._ref[parent.block] == 0:
-            self._push(parent)
-        return block
+    def _on_unreferenced(self, blocks: list[int]) -> None:
+        nodes, free = self._nodes, self._free
+        for block in blocks:
+            node = nodes[block]
+            if node.parent is None:
+                free.append(block)
+                continue
+            self._num_cached += 1
+            if not node.children:
+                self._push(node)
+        heap = self._candidates
+        if len(heap) > 2 * self._num_cached + 64:
+            # Mostly stale entries: keep the live ones, O(n) now and then.
+            nodes = self._nodes
+            heap[:] = [key for key in heap if nodes[key & _BLOCK].entry == key]
+            heapq.heapify(heap)
 
     def _push(self, node: _Node) -> None:
         """Make an unreferenced leaf an eviction candidate."""
-        heap = self._evictable
-        if len(heap) > 2 * len(self._cached) + 64:
-            # Mostly stale entries: keep the live ones, O(n) now and then.
-            heap[:] = [entry for entry in heap if entry[2].tie == entry[1]]
-            heapq.heapify(heap)
-        node.tie = tie = next(self._tie)
-        heapq.heappush(heap, (self._priority(node), tie, node))
+        node.entry = key = self._priority(node) << _FIELD | node.block
+        heapq.heappush(self._candidates, key)
 
-    def _on_unreferenced(self, block: int) -> None:
-        node = self._node_of.get(block)
-        if node is None:
-            super()._on_unreferenced(block)
-            return
-        self._cached.add(block)
-        if not node.children:
-            self._push(node)
+    def _refill(self, count: int) -> None:
+        """Evict the leaves the policy ranks first until the free list holds ``count``."""
+        heap, free, ref, root = self._candidates, self._free, self._ref, self._root
+        nodes, evicted = self._nodes, 0
+        while len(free) < count:
+            key = heapq.heappop(heap)
+            node = nodes[key & _BLOCK]
+            if node.entry != key:
+                continue  # stale
+            node.entry = None
+            parent = node.parent
+            del parent.children[node.hkey]
+            node.parent = None
+            free.append(node.block)
+            evicted += 1
+            if parent is not root and not parent.children and not ref[parent.block]:
+                self._push(parent)  # a cached parent is now a leaf
+        self._num_cached -= evicted
+        self._evictions += evicted
+
+    def _indexed(self) -> list[_Node]:
+        return [node for node in self._nodes if node.parent is not None]
 
     def _cached_blocks(self) -> set[int]:
-        return set(self._cached)
+        return {node.block for node in self._indexed() if self._ref[node.block] == 0}
 
-    def _num_cached(self) -> int:
-        return len(self._cached)
+    def _num_cached_blocks(self) -> int:
+        return self._num_cached
 
     def _check_placement(self) -> None:
         super()._check_placement()
-        live = {entry[2].block for entry in self._evictable if entry[2].tie == entry[1]}
-        leaves = {b for b in self._cached if not self._node_of[b].children}
+        live = {key & _BLOCK for key in self._candidates if self._nodes[key & _BLOCK].entry == key}
+        leaves = {b for b in self._cached_blocks() if not self._nodes[b].children}
         assert live == leaves, f"eviction candidates {sorted(live)} != cached leaves"
-        for block, node in self._node_of.items():
-            assert node.block == block and len(node.key) == self.block_size, f"bad node {block}"
-            assert node.parent is not None and node.parent.children.get(node.key) is node
-            assert (self._ref[block] == 0) == (block in self._cached), f"block {block} cache flag"
+        for node in self._indexed():
+            block = node.block
+            assert len(node.key) == self.block_size and node.hkey == hash(node.key), block
+            assert node.parent.children.get(node.hkey) is node, f"block {block} not a child"
+            assert all(c.parent is node for c in node.children.values()), f"children of {block}"
             parent_held = node.parent is self._root or self._ref[node.parent.block] > 0
             assert parent_held or self._ref[block] == 0, f"held block {block} under a cached one"
-        assert self._cached <= self._node_of.keys(), "a cached block is not in the tree"
+        assert all(c.parent is self._root for c in self._root.children.values())
         for seq_id, s in self._seqs.items():
             parent = self._root
             for block in s.table[: s.cursor]:
-                node = self._node_of.get(block)
-                assert node is not None and node.parent is parent, f"{seq_id}: not a tree path"
+                node = self._nodes[block]
+                assert node.parent is parent, f"{seq_id}: not a tree path"
                 parent = node

@@ -86,10 +86,14 @@ class PriorityScheduler(Scheduler):
         prefix = head.token_ids[: whole + 1]  # what its admission will match in a prefix cache
 
         def fits() -> bool:
-            return alloc.can_allocate(rid, whole, prefix) and (
-                alloc.num_free_blocks() - alloc.blocks_needed(rid, whole, prefix)
-                >= self.watermark_blocks
-            ) and len(self.running) < self.max_num_seqs
+            return (
+                alloc.can_allocate(rid, whole, prefix)
+                and (
+                    alloc.num_free_blocks() - alloc.blocks_needed(rid, whole, prefix)
+                    >= self.watermark_blocks
+                )
+                and len(self.running) < self.max_num_seqs
+            )
 
         lower = sorted((s for s in self.running if self.rank(s) > self.rank(head)), key=self.rank)
         reclaimable = sum(alloc.reclaimable_blocks(s.request_id) for s in lower)

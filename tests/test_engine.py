@@ -104,7 +104,7 @@ def test_teacher_forced_logits_match(model, prompts, allocator, block_size):
                 continue
             allocation = alloc.allocate(str(i), hi)
             runner.copy_blocks(allocation.copies)
-            rows.append(Row(p[lo:hi], lo, allocation.block_table, num_logits=hi - lo))
+            rows.append(Row(p[lo:hi], lo, alloc.block_table(str(i)), num_logits=hi - lo))
             owners.append((i, hi - lo))
         logits = runner.forward(rows).logits
         k = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterable
+from typing import Literal
 
 from allocators.base import BlockAllocator, SeqState, blocks_for
 
@@ -171,7 +172,11 @@ class ContiguousAllocator(RegionAllocator):
     (at most the whole arena), as Orca's max-length reservation does."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, reserve: str = "exact", max_len: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        reserve: Literal["exact", "max_len"] = "exact",
+        max_len: int | None = None,
     ) -> None:
         super().__init__(num_blocks, block_size)
         if reserve not in ("exact", "max_len"):

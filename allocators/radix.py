@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+from typing import Literal, get_args
 
 from allocators.base import SeqState
 from allocators.free_list import FreeListAllocator
@@ -76,6 +77,7 @@ class RadixState(SeqState):
         self.cursor = 0
 
 
+Eviction = Literal["lru", "lfu", "fifo", "mru", "filo", "slru"]
 _FIELD = 40  # bits for a clock value or a block id inside a heap key
 _BLOCK = (1 << _FIELD) - 1
 EVICTION: dict[str, Callable[[_Node], int]] = {
@@ -86,6 +88,7 @@ EVICTION: dict[str, Callable[[_Node], int]] = {
     "filo": lambda n: -n.created,
     "slru": lambda n: (n.hits >= 2) << _FIELD | n.last_access,
 }
+assert tuple(EVICTION) == get_args(Eviction)
 
 
 class RadixAllocator(FreeListAllocator):
@@ -94,7 +97,7 @@ class RadixAllocator(FreeListAllocator):
 
     _State = RadixState
 
-    def __init__(self, num_blocks: int, block_size: int, eviction: str = "lru") -> None:
+    def __init__(self, num_blocks: int, block_size: int, eviction: Eviction = "lru") -> None:
         super().__init__(num_blocks, block_size)
         if eviction not in EVICTION:
             raise ValueError(f"eviction={eviction!r}: use one of {sorted(EVICTION)}")

@@ -227,7 +227,8 @@ class BlockAllocator(ABC):
         """Shrink ``seq_id`` to ``num_tokens`` slots (speculative-decoding rollback).
 
         The block the new end falls in must be the sequence's own: cutting into a block
-        shared with another sequence raises (its holders would disagree on its fill)."""
+        another sequence or a prefix cache reads raises (they would disagree on its fill; a
+        rollback only ever trims slots past its committed tokens)."""
         _check_count("num_tokens", num_tokens, 0)
         s = self._state(seq_id)
         old, bs = s.num_tokens, self.block_size
@@ -239,10 +240,11 @@ class BlockAllocator(ABC):
         if num_tokens == old:
             return
         keep = blocks_for(num_tokens, bs)
-        if num_tokens % bs and self._ref[s.table[keep - 1]] > 1:
+        if num_tokens % bs and self._needs_copy(s.table[keep - 1]):
             raise ValueError(
                 f"trim: {seq_id!r} to {num_tokens} slots cuts into block {s.table[keep - 1]}, "
-                "which another sequence shares; trim only slots the sequence wrote itself"
+                "which another sequence or the prefix cache reads; trim only slots past the "
+                "committed tokens"
             )
         dropped = s.table[keep:]
         del s.table[keep:]

@@ -62,9 +62,9 @@ class FreeListAllocator(BlockAllocator):
         return fresh + self._cow(s) <= self.num_blocks - self._used
 
     def _grow(self, s: SeqState, new: int) -> list | None:
-        table, free = s.table, self._free
-        cow = self._cow(s)
-        fresh = -(-new // self.block_size) - len(table)
+        table, free, bs = s.table, self._free, self.block_size
+        cow = s.num_tokens % bs != 0 and self._needs_copy(table[-1])  # ``_cow``, inlined
+        fresh = -(-new // bs) - len(table)
         # Count everything first: a failed allocate must change nothing.
         if fresh + cow > self.num_blocks - self._used:
             return None
@@ -75,7 +75,7 @@ class FreeListAllocator(BlockAllocator):
             src, dst = table[-1], self._take()
             table[-1] = dst
             # Drop only after taking: a cached source must not be evicted into its own copy.
-            self._drop(src, s.num_tokens % self.block_size)
+            self._drop(src, s.num_tokens % bs)
             self._cow_copies += 1
             copies.append((src, dst))
         if fresh:  # the hot path of growth: inline _take

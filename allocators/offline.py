@@ -124,6 +124,7 @@ class _Blocks:
     keys: list[list[int]]  # per request: key ids of its full prompt+output blocks, in order
     depth: list[int]  # per key id: its block index j
     uses: list[list[int]]  # per key id: increasing requests whose matchable prefix has it
+    seen: list[list[int]]  # per key id: increasing requests that have it as a full block
     first: list[int]  # per key id: the first request that has it as a full block
 
 
@@ -131,7 +132,7 @@ def _index(reqs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], block_size: 
     # Chained keys (parent key id, block tokens) name a whole prefix in O(block_size), where
     # the prefix itself would make key building O(len^2) per request.
     intern: dict[tuple[int, tuple[int, ...]], int] = {}
-    blocks = _Blocks([], [], [], [])
+    blocks = _Blocks([], [], [], [], [])
     for i, (prompt, output) in enumerate(reqs):
         tokens = prompt + output
         ids, parent = [], -1
@@ -142,8 +143,10 @@ def _index(reqs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], block_size: 
                 parent = intern[key] = len(blocks.depth)
                 blocks.depth.append(j)
                 blocks.uses.append([])
+                blocks.seen.append([])
                 blocks.first.append(i)
             ids.append(parent)
+            blocks.seen[parent].append(i)
         for kid in ids[: _matchable(prompt, block_size)]:
             blocks.uses[kid].append(i)
         blocks.keys.append(ids)
@@ -173,13 +176,22 @@ def belady_hit_rate(requests: Iterable[Request], block_size: int, budget: int) -
     blocks = _index(reqs, block_size)
     never = len(reqs)  # a next use later than any request
     cursor = [0] * len(blocks.depth)  # per key id: first of its uses not yet in the past
+    seen_cursor = [0] * len(blocks.depth)
+
+    def first_after(items: list[int], cursors: list[int], kid: int, now: int) -> int:
+        c = cursors[kid]
+        while c < len(items) and items[c] <= now:
+            c += 1
+        cursors[kid] = c
+        return items[c] if c < len(items) else never
 
     def next_use(kid: int, now: int) -> int:
-        u, c = blocks.uses[kid], cursor[kid]
-        while c < len(u) and u[c] <= now:
-            c += 1
-        cursor[kid] = c
-        return u[c] if c < len(u) else never
+        """The next request that hits ``kid``; ``never`` if a request recomputes it first
+        (a whole-block prompt's last block, or a matchable block behind a broken chain):
+        keeping it until then saves nothing, the recomputation caches it anyway."""
+        use = first_after(blocks.uses[kid], cursor, kid, now)
+        seen = first_after(blocks.seen[kid], seen_cursor, kid, now)
+        return use if use == seen else never
 
     cached: dict[int, int] = {}  # unheld cached key id -> its next use
     # (-next use, -depth, key id): farthest first, deeper first. An entry is stale once its
@@ -204,8 +216,10 @@ def belady_hit_rate(requests: Iterable[Request], block_size: int, budget: int) -
             del cached[kid]
             evictions += 1
         for kid in ids:
-            if kid not in cached:  # a still-cached key is a duplicate: its new copy is freed
-                use = next_use(kid, i)
+            # A still-cached key is a duplicate: its new copy is freed, the cached one stays
+            # with the next use seen from here.
+            use = next_use(kid, i)
+            if cached.get(kid) != use:
                 cached[kid] = use
                 heapq.heappush(heap, (-use, -blocks.depth[kid], kid))
     return HitStats(hit_blocks * block_size, prompt_tokens, evictions)

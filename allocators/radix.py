@@ -170,7 +170,7 @@ class RadixAllocator(FreeListAllocator):
         full = len(token_ids) // self.block_size
         i, table, nodes = s.cursor, s.table, self._nodes
         node = nodes[table[i - 1]] if i else self._root
-        self._clock += 1
+        self._clock = now = self._clock + 1
         bs = self.block_size
         while i < full:
             mine, key = nodes[table[i]], tuple(token_ids[i * bs : (i + 1) * bs])
@@ -183,19 +183,19 @@ class RadixAllocator(FreeListAllocator):
                 )
             if child is None:
                 mine.key, mine.hkey, mine.parent = key, hkey, node
-                mine.created, mine.hits = self._clock, 0
+                mine.created, mine.hits = now, 0
                 node.children[hkey] = child = mine
             elif child is not mine:
                 # The same tokens (or, rarely, a hash twin) are cached in another block: this
                 # sequence keeps its own copy unindexed, which keeps the invariant above.
                 break
-            child.last_access = self._clock
+            child.last_access = now
             node = child
             i += 1
         s.cursor = i
 
     def _after_trim(self, s: RadixState, dropped: list[int], old: int) -> None:
-        # A partially kept indexed block stays in the table; the next allocate copies it.
+        # Dropped indexed blocks stay cached; the kept ones stay a tree path.
         s.cursor = min(s.cursor, s.num_tokens // self.block_size)
         super()._after_trim(s, dropped, old)
 
@@ -210,15 +210,16 @@ class RadixAllocator(FreeListAllocator):
     # -- caching and eviction ----------------------------------------------------------
 
     def _on_unreferenced(self, blocks: list[int]) -> None:
-        nodes, free = self._nodes, self._free
+        nodes, free, cached = self._nodes, self._free, 0
         for block in blocks:
             node = nodes[block]
             if node.parent is None:
                 free.append(block)
                 continue
-            self._num_cached += 1
+            cached += 1
             if not node.children:
                 self._push(node)
+        self._num_cached += cached
         heap = self._candidates
         if len(heap) > 2 * self._num_cached + 64:
             # Mostly stale entries: keep the live ones, O(n) now and then.
@@ -234,7 +235,7 @@ class RadixAllocator(FreeListAllocator):
     def _refill(self, count: int) -> None:
         """Evict the leaves the policy ranks first until the free list holds ``count``."""
         heap, free, ref, root = self._candidates, self._free, self._ref, self._root
-        nodes, evicted = self._nodes, 0
+        nodes, priority, evicted = self._nodes, self._priority, 0
         while len(free) < count:
             key = heapq.heappop(heap)
             node = nodes[key & _BLOCK]
@@ -247,7 +248,9 @@ class RadixAllocator(FreeListAllocator):
             free.append(node.block)
             evicted += 1
             if parent is not root and not parent.children and not ref[parent.block]:
-                self._push(parent)  # a cached parent is now a leaf
+                # A cached parent is now a leaf: a candidate (``_push``, inlined).
+                parent.entry = key = priority(parent) << _FIELD | parent.block
+                heapq.heappush(heap, key)
         self._num_cached -= evicted
         self._evictions += evicted
 

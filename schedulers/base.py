@@ -299,7 +299,7 @@ class Scheduler(ABC):
         if seq.num_tokens > capacity:
             return (
                 f"prompt of {seq.num_tokens} tokens exceeds the {capacity} KV slots one "
-                "sequence can hold in this arena"
+                "sequence can hold in the KV arena"
             )
         return None
 

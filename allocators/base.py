@@ -172,6 +172,7 @@ class BlockAllocator(ABC):
         For a sequence not known yet, ``token_ids`` lets a prefix cache leave out the
         blocks ``match_prefix`` would share with running sequences.
         """
+        _check_count("num_tokens", num_tokens, 0)
         s = self._seqs.get(seq_id)
         if s is None:
             return self._need_new(num_tokens, token_ids)
@@ -180,6 +181,7 @@ class BlockAllocator(ABC):
     def can_allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] = ()) -> bool:
         """Whether ``allocate(seq_id, num_tokens)`` would succeed now (a region also needs a
         place to go); ``token_ids`` as in ``blocks_needed``."""
+        _check_count("num_tokens", num_tokens, 0)
         s = self._seqs.get(seq_id)
         if s is None:
             return self._fits_new(num_tokens, token_ids)
@@ -191,7 +193,7 @@ class BlockAllocator(ABC):
         ``[current, num_tokens)`` are about to be written, so a block covering them that is
         shared or cached is copied first (listed in the result's ``copies``)."""
         s = self._seqs.get(seq_id)
-        if s is not None and s.num_tokens <= num_tokens <= s.limit:
+        if s is not None and s.num_tokens <= num_tokens <= s.limit and type(num_tokens) is int:
             self._token_slots += num_tokens - s.num_tokens
             s.num_tokens = num_tokens
             return NO_COPIES
@@ -214,11 +216,10 @@ class BlockAllocator(ABC):
 
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
         """Record that the KV of these leading tokens is written (a cache may share it)."""
-        s = self._seqs.get(seq_id)
-        if s is None or len(token_ids) > s.num_tokens:
-            held = "no" if s is None else s.num_tokens
+        s = self._state(seq_id)
+        if len(token_ids) > s.num_tokens:
             raise ValueError(
-                f"commit: {len(token_ids)} tokens exceed the {held} slots allocated to "
+                f"commit: {len(token_ids)} tokens exceed the {s.num_tokens} slots allocated to "
                 f"{seq_id!r}; allocate them first"
             )
         self._commit(s, token_ids)

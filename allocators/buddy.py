@@ -115,7 +115,10 @@ class BuddyAllocator(RegionAllocator):
 
     def unusable_free_blocks(self, num_tokens: int) -> int:
         # Free regions never combine across buddies: only one at least as large can serve.
-        order = self._region_blocks(num_tokens).bit_length() - 1
+        size = self._region_blocks(num_tokens)
+        if not size:
+            return 0  # an empty sequence needs no region
+        order = size.bit_length() - 1
         return sum(len(starts) << o for o, starts in enumerate(self._free_at[:order]))
 
     def _check_placement(self) -> None:

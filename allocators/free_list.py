@@ -53,9 +53,7 @@ class FreeListAllocator(BlockAllocator):
         return s.num_tokens % self.block_size != 0 and self._needs_copy(s.table[-1])
 
     def _need(self, s: SeqState, new: int) -> int:
-        fresh = blocks_for(new, self.block_size) - len(s.table)
-        # A copied block that only this sequence held goes to the cache, which counts as free.
-        return fresh + (self._cow(s) and self._ref[s.table[-1]] > 1)
+        return blocks_for(new, self.block_size) - len(s.table) + self._cow(s)
 
     def _fits(self, s: SeqState, new: int) -> bool:
         fresh = blocks_for(new, self.block_size) - len(s.table)

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+from allocators.base import NO_COPIES
 from allocators.contiguous import ContiguousAllocator
 
 
 def runs(alloc: ContiguousAllocator, *seqs: str) -> list[list[int]]:
-    return [alloc.block_table(s) for s in seqs]
+    return [list(alloc.block_table(s)) for s in seqs]
+
+
+def fragmented() -> ContiguousAllocator:
+    """Ten 1-slot blocks laid out X..X...X.. (free runs of 2, 3 and 2)."""
+    alloc = ContiguousAllocator(num_blocks=10, block_size=1)
+    for seq, n in (("a", 1), ("b", 2), ("c", 1), ("d", 3), ("e", 1)):
+        alloc.allocate(seq, n)
+    alloc.free("b")
+    alloc.free("d")
+    assert alloc.dump().splitlines()[1] == "X..X...X.."
+    return alloc
 
 
 def test_first_fit_takes_the_lowest_free_run_that_fits() -> None:
@@ -17,15 +29,16 @@ def test_first_fit_takes_the_lowest_free_run_that_fits() -> None:
         alloc.allocate(seq, n)
     alloc.free("a")
     alloc.free("c")  # free runs: [0, 2) and [5, 10)
-    assert alloc.allocate("d", 3).block_table == (5, 6, 7)
-    assert alloc.allocate("e", 2).block_table == (0, 1)
+    alloc.allocate("d", 3)
+    alloc.allocate("e", 2)
+    assert runs(alloc, "d", "e") == [[5, 6, 7], [0, 1]]
 
 
 def test_grows_in_place_when_the_next_blocks_are_free() -> None:
     alloc = ContiguousAllocator(num_blocks=8, block_size=2)
     alloc.allocate("a", 3)
-    result = alloc.allocate("a", 8)
-    assert result.block_table == (0, 1, 2, 3) and result.copies == ()
+    assert alloc.allocate("a", 8) is NO_COPIES
+    assert runs(alloc, "a") == [[0, 1, 2, 3]]
     assert alloc.stats().relocations == 0
 
 
@@ -33,8 +46,11 @@ def test_relocates_to_a_disjoint_run_and_reports_the_copies() -> None:
     alloc = ContiguousAllocator(num_blocks=8, block_size=2)
     alloc.allocate("a", 4)
     alloc.allocate("b", 2)  # blocks a: 0-1, b: 2
+    # a moves to a run of 3 and gives its 2 blocks back: a net drop of 1.
+    assert alloc.blocks_needed("a", 6) == 1
+    free = alloc.num_free_blocks()
     result = alloc.allocate("a", 6)
-    assert result.block_table == (3, 4, 5)
+    assert free - alloc.num_free_blocks() == 1
     assert result.copies == ((0, 3), (1, 4))
     stats = alloc.stats()
     assert (stats.relocations, stats.relocated_blocks) == (1, 2)
@@ -48,8 +64,35 @@ def test_growth_without_a_long_enough_run_fails_and_changes_nothing() -> None:
         alloc.allocate(seq, 2)
     alloc.free("b")  # 2 free in the middle, none after c
     before = alloc.dump()
+    assert not alloc.can_allocate("a", 5)
     assert alloc.allocate("a", 5) is None
     assert alloc.dump() == before
+
+
+def test_enough_free_blocks_but_no_run_long_enough_cannot_allocate() -> None:
+    alloc = fragmented()
+    # A 4-block sequence needs 4 of the 7 free blocks, but the longest free run is 3.
+    assert alloc.blocks_needed("f", 4) == 4 <= alloc.num_free_blocks() == 7
+    assert not alloc.can_allocate("f", 4)
+    assert alloc.allocate("f", 4) is None
+    assert alloc.can_allocate("f", 3)
+
+
+def test_unusable_free_blocks_are_those_in_runs_too_short() -> None:
+    alloc = fragmented()  # free runs of 2, 3 and 2
+    assert alloc.unusable_free_blocks(1) == 0  # every run holds 1 block
+    assert alloc.unusable_free_blocks(3) == 4  # the two runs of 2
+    assert alloc.unusable_free_blocks(4) == 7  # no run of 4
+    assert ContiguousAllocator(num_blocks=4, block_size=1).unusable_free_blocks(4) == 0
+
+
+def test_unusable_free_blocks_count_the_max_len_reservation() -> None:
+    alloc = ContiguousAllocator(num_blocks=8, block_size=1, reserve="max_len", max_len=3)
+    alloc.allocate("a", 1)
+    alloc.allocate("b", 1)  # regions [0, 3) and [3, 6): a free run of 2 is left
+    # Even a 1-token sequence reserves 3 blocks, so both free blocks are unusable.
+    assert alloc.unusable_free_blocks(1) == 2
+    assert not alloc.can_allocate("c", 1)
 
 
 def test_max_len_reserves_up_front_and_grows_without_moving() -> None:
@@ -58,8 +101,31 @@ def test_max_len_reserves_up_front_and_grows_without_moving() -> None:
     alloc.allocate("b", 1)
     assert runs(alloc, "a", "b") == [[0], [5]]
     assert alloc.stats().used_blocks == 10 and alloc.stats().used_slots == 2
-    assert alloc.allocate("a", 20).copies == ()
+    assert alloc.held_slots("a") == 20  # 5 blocks of 4 slots for 1 token
+    assert alloc.blocks_needed("a", 20) == 0
+    assert alloc.allocate("a", 20) is NO_COPIES
     assert alloc.dump().splitlines()[1] == "XXXXXXrrrr......"
+
+
+def test_max_len_beyond_the_arena_reserves_the_arena() -> None:
+    alloc = ContiguousAllocator(num_blocks=4, block_size=4, reserve="max_len", max_len=100)
+    # 100 slots would be 25 blocks; the reservation is capped at the 4 the arena has.
+    assert alloc.blocks_needed("a", 1) == 4 and alloc.can_allocate("a", 1)
+    alloc.allocate("a", 1)
+    assert alloc.held_slots("a") == 16 and alloc.num_free_blocks() == 0
+    alloc.check()
+
+
+@pytest.mark.parametrize("reserve", [{}, {"reserve": "max_len", "max_len": 12}])
+def test_an_empty_table_holds_no_region(reserve: dict) -> None:
+    alloc = ContiguousAllocator(num_blocks=8, block_size=4, **reserve)
+    assert alloc.allocate("a", 0) is NO_COPIES
+    assert alloc.held_slots("a") == 0 and alloc.num_free_blocks() == 8
+    alloc.allocate("b", 5)
+    alloc.trim("b", 0)  # the whole region goes back
+    assert alloc.held_slots("b") == 0 and alloc.num_free_blocks() == 8
+    assert alloc.fork("b", "c") is NO_COPIES  # nothing to copy, nothing reserved
+    alloc.check()
 
 
 @pytest.mark.parametrize(
@@ -69,14 +135,3 @@ def test_max_len_reserves_up_front_and_grows_without_moving() -> None:
 def test_bad_policy_arguments_name_the_argument(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ContiguousAllocator(num_blocks=8, block_size=2, **kwargs)
-
-
-def test_external_fragmentation_is_one_minus_largest_free_run_over_free() -> None:
-    alloc = ContiguousAllocator(num_blocks=10, block_size=1)
-    for seq, n in (("a", 1), ("b", 2), ("c", 1), ("d", 3), ("e", 1)):
-        alloc.allocate(seq, n)
-    alloc.free("b")
-    alloc.free("d")  # X..X...X..: free runs 2, 3, 2
-    assert alloc.dump().splitlines()[1] == "X..X...X.."
-    assert alloc.stats().external_fragmentation == pytest.approx(1 - 3 / 7)
-    assert ContiguousAllocator(num_blocks=4, block_size=1).stats().external_fragmentation == 0

@@ -1,7 +1,10 @@
-"""Radix allocator: prefix sharing, the last-token rule, LRU leaf eviction, COW."""
+"""Radix allocator: prefix sharing, the last-token rule, leaf eviction by policy, COW."""
 
 from __future__ import annotations
 
+import pytest
+
+from allocators.base import NO_COPIES
 from allocators.radix import RadixAllocator
 
 BS = 4
@@ -13,6 +16,11 @@ def serve(alloc: RadixAllocator, seq: str, tokens: list[int]) -> int:
     assert alloc.allocate(seq, len(tokens)) is not None
     alloc.commit(seq, tokens)
     return matched
+
+
+def indexed(alloc: RadixAllocator) -> list[tuple[int, int]]:
+    """(block, parent block) of every tree node: the tree's shape."""
+    return sorted((n.block, n.parent.block) for n in alloc._indexed())
 
 
 def test_two_sequences_with_a_common_prefix_share_its_blocks() -> None:
@@ -40,7 +48,7 @@ def test_a_prompt_of_whole_blocks_leaves_its_last_block_to_compute() -> None:
 def test_freed_indexed_blocks_stay_cached_and_count_as_free() -> None:
     alloc = RadixAllocator(num_blocks=8, block_size=BS)
     serve(alloc, "a", list(range(10)))
-    alloc.free("a")
+    assert alloc.free("a") == 3  # 2 cached + 1 unindexed: all count as free
     stats = alloc.stats()
     assert (stats.cached_blocks, stats.free_blocks) == (2, 6)
     assert alloc.num_free_blocks() == 8
@@ -69,8 +77,10 @@ def test_eviction_never_touches_a_referenced_block() -> None:
     serve(alloc, "a", list(range(8)))
     alloc.free("a")
     assert alloc.match_prefix("b", list(range(9))) == 8  # b holds both cached blocks
-    assert alloc.allocate("c", 12) is None  # only 2 free blocks, and nothing evictable
-    assert alloc.allocate("c", 8).block_table == (2, 3)
+    assert not alloc.can_allocate("c", 12)  # only 2 free blocks, and nothing evictable
+    assert alloc.allocate("c", 12) is None
+    alloc.allocate("c", 8)
+    assert alloc.block_table("c") == [2, 3]
     assert alloc.block_table("b") == [0, 1]
     alloc.check()
 
@@ -80,9 +90,9 @@ def test_a_failed_allocate_leaves_refs_and_tree_untouched() -> None:
     serve(alloc, "a", list(range(8)))
     alloc.free("a")
     alloc.match_prefix("b", list(range(9)))
-    before = (alloc.dump(), alloc.stats(), list(alloc._ref), set(alloc._node_of))
+    before = (alloc.dump(), alloc.stats(), list(alloc._ref), indexed(alloc))
     assert alloc.allocate("b", 20) is None
-    assert (alloc.dump(), alloc.stats(), list(alloc._ref), set(alloc._node_of)) == before
+    assert (alloc.dump(), alloc.stats(), list(alloc._ref), indexed(alloc)) == before
 
 
 def test_fork_then_diverging_writes_copy_the_shared_partial_block() -> None:
@@ -91,17 +101,178 @@ def test_fork_then_diverging_writes_copy_the_shared_partial_block() -> None:
     alloc.fork("p", "c")
     parent = alloc.allocate("p", 7)
     child = alloc.allocate("c", 7)
-    assert parent.copies != () and child.copies == ()  # the first writer copies
-    assert parent.block_table[1] != child.block_table[1]
-    assert parent.block_table[0] == child.block_table[0]
+    assert parent.copies != () and child is NO_COPIES  # the first writer copies
+    assert alloc.block_table("p")[1] != alloc.block_table("c")[1]
+    assert alloc.block_table("p")[0] == alloc.block_table("c")[0]
     assert alloc.stats().cow_copies == 1
     alloc.check()
 
 
-def test_writing_after_a_trim_into_an_indexed_block_copies_it() -> None:
+def test_trim_into_an_indexed_block_raises() -> None:
+    alloc = RadixAllocator(num_blocks=8, block_size=BS)
+    serve(alloc, "a", list(range(8)))  # blocks 0 and 1 indexed: later matches read them
+    before = (alloc.dump(), alloc.stats(), list(alloc.block_table("a")))
+    with pytest.raises(ValueError, match="trim"):
+        alloc.trim("a", 6)
+    assert (alloc.dump(), alloc.stats(), list(alloc.block_table("a"))) == before
+
+
+def test_trim_to_a_block_boundary_leaves_the_dropped_indexed_blocks_cached() -> None:
+    alloc = RadixAllocator(num_blocks=8, block_size=BS)
+    serve(alloc, "a", list(range(12)))
+    alloc.trim("a", 4)  # blocks 1 and 2 go to the cache, still indexed
+    assert alloc.stats().cached_blocks == 2 and alloc.num_free_blocks() == 7
+    assert alloc.match_prefix("b", list(range(13))) == 12  # the cached blocks kept their KV
+    alloc.check()
+
+
+def test_trim_into_a_block_shared_by_a_prefix_match_raises() -> None:
     alloc = RadixAllocator(num_blocks=8, block_size=BS)
     serve(alloc, "a", list(range(8)))
-    alloc.trim("a", 6)
-    result = alloc.allocate("a", 7)
-    assert result.copies == ((1, result.block_table[1]),)
-    assert alloc.match_prefix("b", list(range(9))) == 8  # the cached block kept its tokens
+    serve(alloc, "b", list(range(10)))  # shares a's blocks 0 and 1, writes block 2
+    with pytest.raises(ValueError, match="trim"):
+        alloc.trim("b", 6)  # block 1 is a's too, and indexed
+    alloc.trim("b", 9)  # inside b's own, unindexed block 2
+    alloc.trim("b", 8)  # b's block 2 goes; 0 and 1 stay whole
+    alloc.check()
+
+
+def test_a_match_of_blocks_a_trimmed_sequence_holds_keeps_used_slots_exact() -> None:
+    alloc = RadixAllocator(num_blocks=8, block_size=BS)
+    serve(alloc, "a", list(range(8)))
+    alloc.trim("a", 4)  # a keeps block 0; block 1 goes to the cache
+    assert alloc.match_prefix("b", list(range(9))) == 8  # b shares 0 with a, holds 1 again
+    # Slots in use: blocks 0 and 1 in full, once each (a's 4 slots are block 0's).
+    assert alloc.stats().used_slots == 8
+    alloc.check()
+
+
+# -- forecasts with a cache -------------------------------------------------------------------
+
+
+def test_evictable_cached_blocks_count_as_free_in_the_forecast() -> None:
+    alloc = RadixAllocator(num_blocks=4, block_size=BS)
+    serve(alloc, "a", list(range(8)))
+    alloc.free("a")  # 2 cached blocks + 2 free ones
+    assert alloc.blocks_needed("b", 16) == 4 and alloc.can_allocate("b", 16)
+    assert alloc.allocate("b", 16) is not None
+    assert alloc.num_free_blocks() == 0 and alloc.stats().evictions == 2
+    assert alloc.blocks_needed("c", 1) == 1 and not alloc.can_allocate("c", 1)
+
+
+def test_an_indexed_block_dropped_by_trim_is_evictable_in_the_forecast() -> None:
+    alloc = RadixAllocator(num_blocks=3, block_size=BS)
+    serve(alloc, "a", list(range(12)))  # the whole arena, all indexed
+    alloc.trim("a", 8)  # block 2 goes to the cache: free, as far as allocate is concerned
+    assert alloc.blocks_needed("a", 9) == 1 and alloc.can_allocate("a", 9)
+    assert alloc.allocate("a", 9) is NO_COPIES
+    assert alloc.block_table("a") == [0, 1, 2]  # block 2 evicted and taken back
+    assert alloc.num_free_blocks() == 0 and alloc.stats().evictions == 1
+    alloc.check()
+
+
+def test_matching_cached_blocks_takes_them_from_the_free_count() -> None:
+    alloc = RadixAllocator(num_blocks=8, block_size=BS)
+    prompt = list(range(9))
+    serve(alloc, "a", prompt)
+    alloc.free("a")  # blocks 0 and 1 cached: nobody runs on them
+    # b would match them (2 blocks leave the free count) and take 1 new: 3 in all.
+    assert alloc.blocks_needed("b", 9, prompt) == 3
+    free = alloc.num_free_blocks()
+    serve(alloc, "b", prompt)
+    assert free - alloc.num_free_blocks() == 3
+
+
+# -- eviction policies ------------------------------------------------------------------------
+
+
+def six_cached_leaves(eviction: str) -> RadixAllocator:
+    """A full arena of six cached one-block prompts A-F (blocks 0-5), whose keys differ.
+
+    Each creation (commit) and each hit (match_prefix) ticks the clock once::
+
+        t  1 A   2 B   3 B hit   4 B hit   5 C   6 C hit   7 D   8 E   9 F
+          10 A hit   11 A hit   12 E hit
+
+        leaf  block  created  last access  hits
+        A     0      1        11           2
+        B     1      2         4           2
+        C     2      5         6           1
+        D     3      7         7           0
+        E     4      8        12           1
+        F     5      9         9           0
+    """
+    alloc = RadixAllocator(num_blocks=6, block_size=BS, eviction=eviction)
+    leaves = {name: [i] * BS for i, name in enumerate("ABCDEF")}
+
+    def create(name: str) -> None:
+        alloc.allocate(name, BS)
+        alloc.commit(name, leaves[name])
+        alloc.free(name)
+
+    def hit(name: str) -> None:
+        assert alloc.match_prefix("hit", [*leaves[name], 99]) == BS
+        alloc.free("hit")
+
+    for step in ("A", "B", "hit B", "hit B", "C", "hit C", "D", "E", "F"):
+        hit(step[-1]) if step.startswith("hit") else create(step)
+    for step in ("A", "A", "E"):
+        hit(step)
+    assert alloc.stats().cached_blocks == 6 and alloc.stats().free_blocks == 0
+    return alloc
+
+
+def eviction_order(alloc: RadixAllocator) -> list[int]:
+    """Grow a sequence one block at a time: each new block is the next victim."""
+    for n in range(1, alloc.num_blocks + 1):
+        alloc.allocate("x", n * BS)
+    assert alloc.stats().evictions == alloc.num_blocks
+    alloc.check()
+    return list(alloc.block_table("x"))
+
+
+def test_lru_evicts_the_least_recently_accessed_first() -> None:
+    # last access: B 4, C 6, D 7, F 9, A 11, E 12
+    assert eviction_order(six_cached_leaves("lru")) == [1, 2, 3, 5, 0, 4]
+
+
+def test_mru_evicts_the_most_recently_accessed_first() -> None:
+    # last access, newest first: E 12, A 11, F 9, D 7, C 6, B 4
+    assert eviction_order(six_cached_leaves("mru")) == [4, 0, 5, 3, 2, 1]
+
+
+def test_fifo_evicts_the_oldest_created_first() -> None:
+    # created: A 1, B 2, C 5, D 7, E 8, F 9 (hits do not matter)
+    assert eviction_order(six_cached_leaves("fifo")) == [0, 1, 2, 3, 4, 5]
+
+
+def test_filo_evicts_the_newest_created_first() -> None:
+    # created, newest first: F 9, E 8, D 7, C 5, B 2, A 1
+    assert eviction_order(six_cached_leaves("filo")) == [5, 4, 3, 2, 1, 0]
+
+
+def test_lfu_evicts_the_fewest_hits_first_then_the_least_recent() -> None:
+    # (hits, last access): D (0, 7), F (0, 9), C (1, 6), E (1, 12), B (2, 4), A (2, 11)
+    assert eviction_order(six_cached_leaves("lfu")) == [3, 5, 2, 4, 1, 0]
+
+
+def test_slru_evicts_probationary_leaves_first_then_protected_by_recency() -> None:
+    # hits < 2 (probationary) by last access: C 6, D 7, F 9, E 12; then protected B 4, A 11
+    assert eviction_order(six_cached_leaves("slru")) == [2, 3, 5, 4, 1, 0]
+
+
+def test_a_parent_becomes_evictable_once_its_children_are_gone() -> None:
+    alloc = RadixAllocator(num_blocks=3, block_size=BS, eviction="mru")
+    serve(alloc, "a", list(range(8)))  # parent 0 and child 1: one commit, one last access
+    alloc.free("a")
+    # A tie goes to the lower block, so mru would take parent 0 first if it were a
+    # candidate; it is not while its child 1 is cached.
+    alloc.allocate("x", 4)  # the free block 2
+    alloc.allocate("x", 12)  # then the leaf 1, then 0, now a leaf
+    assert alloc.block_table("x") == [2, 1, 0]
+    alloc.check()
+
+
+def test_an_unknown_eviction_policy_names_the_argument() -> None:
+    with pytest.raises(ValueError, match="eviction"):
+        RadixAllocator(num_blocks=4, block_size=BS, eviction="random")

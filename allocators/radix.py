@@ -68,13 +68,15 @@ class _Node:
 
 
 class RadixState(SeqState):
-    """``cursor``: how many leading table blocks are known to be tree nodes."""
+    """``cursor``: how many leading table blocks are known to be tree nodes; ``commit_at``:
+    the token count that fills the next block, ``(cursor + 1) * block_size`` (so the common
+    commit, which fills no block, is one comparison)."""
 
-    __slots__ = ("cursor",)
+    __slots__ = ("cursor", "commit_at")
 
     def __init__(self) -> None:
         super().__init__()
-        self.cursor = 0
+        self.cursor = self.commit_at = 0
 
 
 Eviction = Literal["lru", "lfu", "fifo", "mru", "filo", "slru"]
@@ -144,7 +146,7 @@ class RadixAllocator(FreeListAllocator):
                 node.entry = None  # held again: its heap entry goes stale
             ref[block] += 1
         s.table = [node.block for node in path]
-        s.cursor = len(path)
+        self._set_cursor(s, len(path))
         s.num_tokens = s.limit = len(path) * bs
         return s.num_tokens
 
@@ -163,12 +165,19 @@ class RadixAllocator(FreeListAllocator):
         n = len(token_ids)
         if s is None or n > s.num_tokens:
             super().commit(seq_id, token_ids)  # raises, naming the fix
-        elif n // self.block_size > s.cursor:  # most calls fill no block and stop here
+        elif n >= s.commit_at:  # most calls fill no block and stop here
             self._commit(s, token_ids)
+
+    def _set_cursor(self, s: RadixState, cursor: int) -> None:
+        s.cursor = cursor
+        s.commit_at = (cursor + 1) * self.block_size
 
     def _commit(self, s: RadixState, token_ids: Sequence[int]) -> None:
         full = len(token_ids) // self.block_size
         i, table, nodes = s.cursor, s.table, self._nodes
+        if full <= i:  # a fresh state's commit_at is 0: set it without ticking the clock
+            self._set_cursor(s, i)
+            return
         node = nodes[table[i - 1]] if i else self._root
         self._clock = now = self._clock + 1
         bs = self.block_size
@@ -192,15 +201,15 @@ class RadixAllocator(FreeListAllocator):
             child.last_access = now
             node = child
             i += 1
-        s.cursor = i
+        self._set_cursor(s, i)
 
     def _after_trim(self, s: RadixState, dropped: list[int], old: int) -> None:
         # Dropped indexed blocks stay cached; the kept ones stay a tree path.
-        s.cursor = min(s.cursor, s.num_tokens // self.block_size)
+        self._set_cursor(s, min(s.cursor, s.num_tokens // self.block_size))
         super()._after_trim(s, dropped, old)
 
     def _fork(self, parent: RadixState, child: RadixState) -> list | None:
-        child.cursor = parent.cursor
+        self._set_cursor(child, parent.cursor)
         return super()._fork(parent, child)
 
     def _needs_copy(self, block: int) -> bool:

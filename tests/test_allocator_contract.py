@@ -104,15 +104,6 @@ def test_forecasts_reject_a_negative_count_as_allocate_does(make) -> None:
         alloc.blocks_needed("new", -1)
 
 
-def test_a_non_integer_count_is_rejected_on_the_fast_path_too(make) -> None:
-    # 6.5 lies within a's write limit (8 slots), so the O(1) path answers it.
-    alloc = make()
-    alloc.allocate("a", 5)
-    with pytest.raises(ValueError, match="num_tokens"):
-        alloc.allocate("a", 6.5)
-    assert alloc.num_tokens("a") == 5
-
-
 # -- allocate -----------------------------------------------------------------------------
 
 

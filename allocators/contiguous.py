@@ -111,7 +111,7 @@ class RegionAllocator(BlockAllocator):
         if dst is None:
             return None
         self._hold_run(dst, new_size)
-        copies = list(zip(table, range(dst, dst + len(table)), strict=True))
+        copies = tuple(zip(table, range(dst, dst + len(table)), strict=True))
         old_start, old_size = s.start, s.size
         s.start, s.size = dst, new_size
         table[:] = range(dst, dst + need)

@@ -158,11 +158,9 @@ def replay(variant: Variant, trace: list[SeqSpec], num_blocks: int, block_size: 
             waiting.popleft()
         res.peak_used = max(res.peak_used, num_blocks - alloc.num_free_blocks())
         if running:
-            stats = alloc.stats()
-            res.utilisation.append(stats.utilisation)
-            if waiting and stats.free_blocks:
-                unusable = alloc.unusable_free_blocks(waiting[0][1])
-                res.fragmentation.append(unusable / stats.free_blocks)
+            res.utilisation.append(alloc.stats().utilisation)
+            unusable = alloc.unusable_free_blocks(waiting[0][1]) if waiting else 0
+            res.fragmentation.append(unusable / num_blocks)
         step += 1
     alloc.check()
     stats = alloc.stats()
@@ -264,10 +262,10 @@ def main(argv: list[str]) -> None:
     results = [replay(v, trace, args.num_blocks, args.block_size) for v in variants(max_len)]
     print(format_table(results))
     print(
-        "peak = blocks held at once; util = used/reserved slots (mean over steps); frag = free "
-        "blocks too small for the next waiting sequence's region / free blocks (mean over steps "
-        "with a waiting sequence); copied = blocks copied (relocation + COW); failed = allocate "
-        "calls returning None\n"
+        "peak = blocks held at once; util = used/reserved slots and frag = free blocks in runs "
+        "too small for the next waiting sequence's region / arena blocks (external "
+        "fragmentation, vLLM paper), both means over steps with a running sequence; copied = "
+        "blocks copied (relocation + COW); failed = allocate calls returning None\n"
     )
     print(format_latency(results))
     print(

@@ -1,6 +1,6 @@
 """A run's files and how to read many of them back.
 
-Every run folder (Hydra makes it: ``results/<experiment>/runs/<time>`` or
+Every run folder (Hydra makes it: ``results/<experiment>/runs/<time>_<hex>`` or
 ``results/<experiment>/multiruns/<sweep_id>/<overrides>``) holds ``.hydra/`` (the resolved
 config and the overrides), ``requests.parquet``, ``steps.parquet`` and ``summary.json``.
 Files are written to a temporary name and renamed (``os.replace``), so a reader never sees

@@ -5,7 +5,7 @@ trace, write the result tables and the summary, print the summary.
     kvbench allocator=radix trace=shared_prefix
     kvbench -m allocator=free_list,radix trace.rate=1,2,4 [hydra/launcher=joblib]
 
-Hydra owns the folders (``conf/config.yaml``: ``results/<experiment_name>/runs/<time>`` and
+Hydra owns the folders (``conf/config.yaml``: ``results/<experiment_name>/runs/<run_id>`` and
 ``results/<experiment_name>/multiruns/<sweep_id>/<overrides>``). A multirun job whose folder
 already holds a summary.json for the same overrides is skipped, so re-running an interrupted
 sweep with its ``sweep_id`` completes only the missing jobs.
@@ -14,6 +14,7 @@ sweep with its ``sweep_id`` completes only the missing jobs.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from allocators.base import BlockAllocator
 from harness import machine, results
@@ -48,6 +49,16 @@ CLOCKS = {"virtual": VirtualClock, "wall": WallClock}
 warnings.filterwarnings(
     "ignore", message=r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema"
 )
+
+
+def run_id() -> str:
+    """A folder name for a run or a sweep: its start time, then 6 random hex digits, so runs
+    started in the same second (two shells, a scheduler's array job) never share a folder."""
+    return f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(3)}"
+
+
+# ``${run_id:}`` in conf/config.yaml; cached, so one config resolves it to one value.
+OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
 
 
 class SweepMismatchError(RuntimeError):

@@ -15,7 +15,7 @@ import pytest
 
 from harness import results
 from harness.metrics import SUMMARY_KEYS, summarize
-from harness.run import SweepMismatchError, finished_run, run
+from harness.run import SweepMismatchError, finished_run, run, run_id
 
 SWEEP_2X2 = ("allocator=free_list,radix", "scheduler=fcfs,chunked_prefill")
 
@@ -146,3 +146,32 @@ def test_a_folder_holding_other_overrides_is_never_skipped(tmp_path: Path) -> No
     assert finished_run(tmp_path / "missing", ["allocator=radix"]) is None
     with pytest.raises(SweepMismatchError, match="new sweep_id"):
         finished_run(tmp_path, ["allocator=buddy"], ignore=["sweep_id"])
+
+
+def test_run_ids_differ_within_one_second() -> None:
+    # The folder name is the start time plus random digits: 50 ids in well under a second.
+    ids = {run_id() for _ in range(50)}
+    assert len(ids) == 50 and all(i.startswith(time.strftime("%Y-%m-%d_")) for i in ids)
+
+
+@pytest.mark.slow  # two kvbench processes side by side: ~20 s here
+def test_two_runs_started_together_write_two_folders(tmp_path: Path) -> None:
+    from conftest import TINY
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "harness.run", *TINY, f"allocator={name}"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("radix", "buddy")
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+    runs = sorted((tmp_path / "results/default/runs").iterdir())
+    assert len(runs) == 2
+    chosen = {json.loads((r / "summary.json").read_text())["overrides"][-1] for r in runs}
+    assert chosen == {"allocator=radix", "allocator=buddy"}

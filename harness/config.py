@@ -89,7 +89,7 @@ def check_node(node: DictConfig, path: str, runtime: set[str]) -> None:
         if key not in params and not takes_any:
             raise ConfigError(
                 f"{where} is not a parameter of {target}{_did_you_mean(key, settable)}; "
-                f"accepted: {', '.join(settable)}"
+                + (f"accepted: {', '.join(settable)}" if settable else "it takes no options")
             )
         value = _value(node, key, where)
         if isinstance(value, DictConfig) and "_target_" in value:

@@ -91,6 +91,8 @@ class LLMEngine:
         """Size the arena (from ``num_blocks`` or a byte budget), then build the parts."""
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("set exactly one of engine.num_blocks and engine.kv_cache_bytes")
+        if num_blocks is not None and num_blocks < 1:
+            raise ValueError(f"engine.num_blocks={num_blocks} must be at least 1")
         if num_blocks is None:
             per_block = model.kv_bytes_per_token() * block_size
             num_blocks = kv_cache_bytes // per_block

@@ -8,6 +8,7 @@ depend on what the weights say.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -138,7 +139,12 @@ def load_pretrained(path: str) -> LoadedModel:
     """Load real weights and tokenizer with ``mlx_lm.load`` from a local path."""
     from mlx_lm import load
 
-    model, tokenizer = load(path)
+    if not Path(path).expanduser().is_dir():
+        raise ValueError(
+            f"model.path={path!r} is not a directory: point it at a local mlx_lm checkpoint "
+            "(a folder with config.json, the weights and the tokenizer)"
+        )
+    model, tokenizer = load(str(Path(path).expanduser()))
     eos = tuple(sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
     return describe(model, name=path, tokenizer=tokenizer, eos_token_ids=eos)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -61,6 +62,11 @@ def run_id() -> str:
 OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
 
 
+class UsageError(Exception):
+    """The config or an input it names (trace file, model path, an option's value) is wrong:
+    ``kvbench`` prints the message, which names the setting and the fix, and exits 2."""
+
+
 class SweepMismatchError(RuntimeError):
     """A sweep job's folder holds a finished run of different overrides."""
 
@@ -98,17 +104,21 @@ def run(
 ) -> dict[str, Any]:
     """Run one experiment and write its files into ``output_dir``; return the summary written.
 
-    The config is validated before anything is built. If the replay fails or is interrupted,
+    The config is validated before anything is built; a wrong setting or input raises
+    ``UsageError`` (its cause is the component's own error). If the replay fails or is interrupted,
     the rows recorded so far are still written (requests.parquet, steps.parquet) but no
     summary.json, so the run counts as unfinished and a sweep re-run repeats it.
     """
-    validate(cfg)
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    trace = _build(cfg.trace.generator)
-    model = _build(cfg.model)
-    check_trace(trace, model.vocab_size)
-    engine = _build(cfg.engine)(model, _build(cfg.allocator), _build(cfg.scheduler))
+    try:  # everything here checks input: its errors name the setting, not a code path
+        validate(cfg)
+        out.mkdir(parents=True, exist_ok=True)
+        trace = _build(cfg.trace.generator)
+        model = _build(cfg.model)
+        check_trace(trace, model.vocab_size)
+        engine = _build(cfg.engine)(model, _build(cfg.allocator), _build(cfg.scheduler))
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from e
     started = time.perf_counter()
     try:
         replay(engine, trace, progress=cfg.progress)
@@ -189,9 +199,22 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             log.info("skipped: %s already holds a finished run", out)
             return done
     choices = {g: c for g, c in hc.runtime.choices.items() if not g.startswith("hydra")}
-    summary = run(cfg, out, overrides=overrides, choices=choices)
+    try:
+        summary = run(cfg, out, overrides=overrides, choices=choices)
+    except UsageError as e:
+        # SystemExit passes through Hydra's handler, which would print a traceback.
+        print(f"kvbench: error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(format_summary(summary))
     print(f"results: {out}")
+    if not summary["completed"]:
+        print(
+            f"kvbench: error: no request completed ({summary['aborted']} aborted): see "
+            f"abort_reason in {out / 'requests.parquet'}; a larger arena (engine.num_blocks) "
+            "or shorter requests may fit",
+            file=sys.stderr,
+        )
+        sys.exit(1)
     return summary
 
 

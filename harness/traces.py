@@ -219,6 +219,11 @@ def load(path: str | os.PathLike) -> Trace:
 
 def from_file(path: str) -> Trace:
     """Hydra workload that replays a saved trace (relative paths are from the launch dir)."""
+    if not Path(path).is_file():
+        raise TraceError(
+            f"trace.path={path!r} is not a file (relative paths start at {Path.cwd()}): "
+            "point it at a .jsonl or .parquet trace"
+        )
     trace = load(path)
     trace.metadata["source_file"] = str(path)
     return trace

@@ -13,7 +13,7 @@ from allocators.base import BlockAllocator
 from harness.config import ConfigError, validate
 from harness.engine import LLMEngine
 from harness.models import LoadedModel, random_model
-from harness.run import CONFIG_DIR, run
+from harness.run import CONFIG_DIR, UsageError, run
 from harness.traces import Trace, TraceError, load, save
 from schedulers.base import Scheduler
 
@@ -165,8 +165,9 @@ def test_misspelt_override_is_refused_by_hydra(compose_cfg) -> None:
 
 
 def test_bad_config_fails_before_any_work(compose_cfg, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="must be float"):
+    with pytest.raises(UsageError, match="must be float") as error:
         run(compose_cfg(["trace.rate=fast"]), tmp_path / "out")
+    assert isinstance(error.value.__cause__, ConfigError)
     assert not (tmp_path / "out").exists()
 
 
@@ -179,14 +180,15 @@ def test_bad_trace_file_names_line_and_field(compose_cfg, tmp_path: Path) -> Non
         '{"request_id": "a", "arrival_time": 0.0, "prompt_token_ids": [1, 2], "max_tokens": 4}\n'
         '{"request_id": "b", "arrival_time": 0.5, "prompt_token_ids": [3], "max_tokens": "x"}\n'
     )
-    with pytest.raises(TraceError, match=r"bad\.jsonl line 2: field 'max_tokens'"):
+    with pytest.raises(UsageError, match=r"bad\.jsonl line 2: field 'max_tokens'") as error:
         run(compose_cfg(["trace=file", f"trace.path={path}"]), tmp_path / "out")
+    assert isinstance(error.value.__cause__, TraceError)
     assert not list((tmp_path / "out").iterdir())  # nothing written
 
 
 def test_untyped_trace_knob_fails_before_replay(compose_cfg, tmp_path: Path) -> None:
     cfg = compose_cfg(["trace=poisson", "trace.num_requests=6", "trace.tpot_slo=abc"])
-    with pytest.raises(TraceError, match=r"field 'tpot_slo' is 'abc'.*trace\.tpot_slo"):
+    with pytest.raises(UsageError, match=r"field 'tpot_slo' is 'abc'.*trace\.tpot_slo"):
         run(cfg, tmp_path / "o")
     assert not list((tmp_path / "o").iterdir())
 
@@ -195,6 +197,6 @@ def test_trace_tokens_outside_the_vocabulary_fail_before_replay(compose_cfg, tmp
     trace = instantiate(compose_cfg(["trace.vocab_size=5000"]).trace.generator, _convert_="all")
     save(trace, tmp_path / "big.parquet")
     assert load(tmp_path / "big.parquet").requests == trace.requests
-    with pytest.raises(TraceError, match=r"'prompt_token_ids' holds id \d+, outside"):
+    with pytest.raises(UsageError, match=r"'prompt_token_ids' holds id \d+, outside"):
         run(compose_cfg(["trace=file", f"trace.path={tmp_path / 'big.parquet'}"]), tmp_path / "o")
     assert not list((tmp_path / "o").iterdir())

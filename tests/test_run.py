@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -175,3 +176,28 @@ def test_two_runs_started_together_write_two_folders(tmp_path: Path) -> None:
     assert len(runs) == 2
     chosen = {json.loads((r / "summary.json").read_text())["overrides"][-1] for r in runs}
     assert chosen == {"allocator=radix", "allocator=buddy"}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("engine.num_blocks=0", r"engine\.num_blocks=0 must be at least 1"),
+        ("engine.num_blocks=abc", r"engine\.num_blocks='abc' must be int"),
+        ("trace=file trace.path=/no/such.jsonl", r"trace\.path='/no/such\.jsonl' is not a file"),
+        ("model=pretrained model.path=/no/such/dir", r"model\.path='/no/such/dir' is not a dir"),
+        ("+allocator.blok_size=3", r"allocator\.blok_size is not a parameter.*no options"),
+        ("allocator=radix allocator.eviction=nope", r"allocator\.eviction='nope' must be one of"),
+    ],
+)
+def test_a_wrong_setting_is_one_line_naming_it_and_exit_status_2(kvbench, override, message):
+    proc = kvbench(*override.split(), check=False)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvbench: error:")]
+    assert re.search(message, line), line
+
+
+def test_a_run_that_completes_nothing_says_so_and_fails(kvbench) -> None:
+    proc = kvbench("engine.num_blocks=1", check=False)  # no smoke prompt fits in one block
+    assert proc.returncode == 1
+    assert "kvbench: error: no request completed (6 aborted)" in proc.stderr

@@ -37,7 +37,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
-from allocators.base import SeqState
+from allocators.base import SeqState, blocks_for
 from allocators.free_list import FreeListAllocator
 
 
@@ -150,12 +150,12 @@ class RadixAllocator(FreeListAllocator):
         s.num_tokens = s.limit = len(path) * bs
         return s.num_tokens
 
-    def _shared_by_others(self, token_ids: Sequence[int]) -> int:
-        """Blocks ``match_prefix(token_ids)`` would share with sequences holding them."""
-        return sum(self._ref[node.block] > 0 for node in self._path(token_ids))
-
     def _need_new(self, num_tokens: int, token_ids: Sequence[int]) -> int:
-        return super()._need_new(num_tokens, token_ids) - self._shared_by_others(token_ids)
+        # match_prefix takes the matched blocks nobody holds out of the free count (cached
+        # ones), shares the held ones for free; allocate then adds the blocks past the match.
+        path = self._path(token_ids)
+        cached = sum(self._ref[node.block] == 0 for node in path)
+        return cached + max(0, blocks_for(num_tokens, self.block_size) - len(path))
 
     def _fits_new(self, num_tokens: int, token_ids: Sequence[int]) -> bool:
         return self._need_new(num_tokens, token_ids) <= self.num_free_blocks()

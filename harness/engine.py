@@ -362,7 +362,7 @@ class LLMEngine:
                 for s in p.stop:
                     if s in text:
                         return "stop", s
-        if n >= p.max_tokens or seq.num_tokens >= self.scheduler.max_model_len:
+        if n >= p.max_tokens or seq.num_tokens >= self.scheduler.max_seq_len:
             return "length", None
         return None, None
 

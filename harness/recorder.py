@@ -64,7 +64,7 @@ class Recorder:
         bs = stats.block_size
         future = 0
         for seq in scheduler.running:
-            final = min(seq.num_prompt_tokens + seq.params.max_tokens, scheduler.max_model_len)
+            final = min(seq.num_prompt_tokens + seq.params.max_tokens, scheduler.max_seq_len)
             held = alloc.held_slots(seq.request_id)  # region slack included
             future += max(0, min(held, final) - seq.num_computed_tokens)
         spare = max(0, stats.reserved_slots - stats.used_slots)

@@ -59,7 +59,8 @@ class Scheduler(ABC):
     Args:
         max_num_seqs: running sequences at most.
         max_num_batched_tokens: new tokens per step at most (the token budget).
-        max_model_len: prompt + output tokens at most; longer prompts are rejected.
+        max_model_len: prompt + output tokens at most; longer prompts are rejected. A
+            sequence stops at ``max_seq_len``: this or what one sequence can hold in the arena.
         watermark: fraction of the arena's blocks kept free for running sequences' growth
             when admitting or swapping in (ignored while nothing runs, so it never blocks).
         min_batch_size, max_wait: while nothing runs, do not start a batch of fewer than
@@ -116,6 +117,9 @@ class Scheduler(ABC):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # The longest a sequence may grow here: a buddy arena's largest region can be
+        # shorter than max_model_len, and a sequence reaching it finishes with 'length'.
+        self.max_seq_len = min(max_model_len, allocator.max_seq_tokens)
         self.watermark_blocks = int(watermark * allocator.num_blocks)
         self.min_batch_size = min_batch_size
         self.max_wait = max_wait

@@ -141,7 +141,7 @@ class SpeculativeScheduler:
         # model length, where they would all be dropped.
         left = min(
             seq.params.max_tokens - seq.num_output_tokens,
-            self.base.max_model_len - seq.num_tokens,
+            self.base.max_seq_len - seq.num_tokens,
         )
         return max(0, min(self.num_draft_tokens, left - 1))
 

@@ -49,7 +49,8 @@ def request(rid: str, prompt: list[int], max_tokens: int, arrival: float = 0.0, 
 
 
 def step(sched: Scheduler, now: float = 0.0):
-    """One engine step without a model: apply the plan, sample token 7, finish at length."""
+    """One engine step without a model: apply the plan, sample token 7, finish at length
+    (max_tokens, or the longest a sequence may grow: ``max_seq_len``), as the engine does."""
     plan = sched.schedule(now)
     for s in plan.scheduled:
         seq = s.seq
@@ -57,9 +58,25 @@ def step(sched: Scheduler, now: float = 0.0):
         sched.allocator.commit(seq.request_id, seq.token_ids[: seq.num_computed_tokens])
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(7)
-            if seq.num_output_tokens >= seq.params.max_tokens:
+            if (
+                seq.num_output_tokens >= seq.params.max_tokens
+                or seq.num_tokens >= sched.max_seq_len
+            ):
                 sched.finish(seq)
     return plan
+
+
+def test_a_sequence_stops_at_the_longest_region_the_arena_has():
+    # Buddy, 12 blocks of 4 = chunks of 8 + 4: one sequence holds at most 32 slots though
+    # max_model_len is 48. It finishes at 32 tokens (length) instead of being preempted and
+    # then rejected as a 33-token prompt.
+    sched = FCFSScheduler(BuddyAllocator(num_blocks=12, block_size=4), max_model_len=48)
+    assert sched.max_seq_len == 32
+    sched.add(request("A", [1] * 4, 40))
+    for t in range(40):
+        plan = step(sched, float(t))
+        assert not plan.preempted and not plan.rejected
+    assert not sched.has_unfinished()
 
 
 def test_a_max_len_region_arrival_preempts_exactly_one_sequence():

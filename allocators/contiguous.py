@@ -55,6 +55,16 @@ class RegionAllocator(BlockAllocator):
     def _place(self, size: int) -> int | None:
         """Reserve a free region of ``size`` blocks and return its start, or ``None``."""
 
+    def _can_move(self, start: int, size: int, new_size: int) -> bool:
+        """Whether the region could move to a new one of ``new_size`` blocks."""
+        return self._can_place(new_size)
+
+    def _move(self, start: int, size: int, new_size: int) -> int | None:
+        """Reserve the blocks of a new region of ``new_size`` for the region at ``start`` and
+        return its start, or ``None``. It may overlap the old region where the placement
+        allows (the caller releases the old blocks outside it); by default it is disjoint."""
+        return self._place(new_size)
+
     @abstractmethod
     def _can_extend(self, start: int, size: int, new_size: int) -> bool:
         """Whether the blocks after a region are free so it could become ``new_size`` long."""
@@ -90,7 +100,7 @@ class RegionAllocator(BlockAllocator):
         return (
             new_size <= s.size
             or (s.size and self._can_extend(s.start, s.size, new_size))
-            or self._can_place(new_size)
+            or self._can_move(s.start, s.size, new_size)
         )
 
     def _grow(self, s: RegionState, new: int) -> list | None:
@@ -106,16 +116,19 @@ class RegionAllocator(BlockAllocator):
             s.size = new_size
             table.extend(range(s.start + len(table), s.start + need))
             return []
-        # Place before releasing: the new region is disjoint, so one gather copies it.
-        dst = self._place(new_size)
+        dst = self._move(s.start, s.size, new_size)
         if dst is None:
             return None
-        self._hold_run(dst, new_size)
-        copies = tuple(zip(table, range(dst, dst + len(table)), strict=True))
-        old_start, old_size = s.start, s.size
+        # The engine reads every source before it writes (one gather, one scatter), so the
+        # new region may overlap the old one; a block that keeps its place is no copy.
+        copies = tuple((src, dst + i) for i, src in enumerate(table) if src != dst + i)
+        old, moved = (s.start, s.start + s.size), (dst, dst + new_size)
+        for lo, hi in _minus(moved, old):
+            self._hold_run(lo, hi - lo)
         s.start, s.size = dst, new_size
         table[:] = range(dst, dst + need)
-        self._release(old_start, old_size)
+        for lo, hi in _minus(old, moved):
+            self._release(lo, hi - lo)
         if copies:
             self._relocations += 1
             self._relocated_blocks += len(copies)
@@ -167,6 +180,12 @@ class RegionAllocator(BlockAllocator):
             assert s.size == self._region_size(len(table)), f"{seq_id}: region size {s.size}"
 
 
+def _minus(a: tuple[int, int], b: tuple[int, int]) -> list[tuple[int, int]]:
+    """The half-open interval ``a`` without ``b``: zero, one or two intervals."""
+    parts = [(a[0], min(a[1], b[0])), (max(a[0], b[1]), a[1])]
+    return [(lo, hi) for lo, hi in parts if lo < hi]
+
+
 class ContiguousAllocator(RegionAllocator):
     """First-fit contiguous runs; ``reserve="max_len"`` reserves ``max_len`` slots up front
     (at most the whole arena), as Orca's max-length reservation does."""
@@ -203,6 +222,25 @@ class ContiguousAllocator(RegionAllocator):
             return None
         self._is_free[start : start + size] = bytes(size)
         return start
+
+    def _can_move(self, start: int, size: int, new_size: int) -> bool:
+        return self._move_target(start, size, new_size) >= 0
+
+    def _move(self, start: int, size: int, new_size: int) -> int | None:
+        dst = self._move_target(start, size, new_size)
+        if dst < 0:
+            return None
+        self._is_free[dst : dst + new_size] = bytes(new_size)  # the old part is marked already
+        return dst
+
+    def _move_target(self, start: int, size: int, new_size: int) -> int:
+        """First fit for a region moving out of ``[start, start + size)``: its own blocks
+        count as free, so a sequence alone in the arena can always grow into it."""
+        free = self._is_free
+        free[start : start + size] = b"\x01" * size
+        dst = free.find(b"\x01" * new_size)
+        free[start : start + size] = bytes(size)
+        return dst
 
     def _can_extend(self, start: int, size: int, new_size: int) -> bool:
         end = start + new_size

@@ -135,3 +135,20 @@ def test_an_empty_table_holds_no_region(reserve: dict) -> None:
 def test_bad_policy_arguments_name_the_argument(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ContiguousAllocator(num_blocks=8, block_size=2, **kwargs)
+
+
+def test_a_region_moves_over_its_own_blocks_when_that_is_the_only_room() -> None:
+    # 8 blocks of 4: a's region sits at [4, 8) with [0, 4) free. Growing to 17 slots needs
+    # 5 blocks; only [0, 8) counting a's own blocks holds them: a moves to [0, 5). Block 4
+    # is both a source and a destination: the engine reads every source before writing.
+    alloc = ContiguousAllocator(num_blocks=8, block_size=4)
+    alloc.allocate("x", 16)
+    alloc.allocate("a", 16)
+    alloc.free("x")
+    assert alloc.block_table("a") == [4, 5, 6, 7]
+    assert alloc.can_allocate("a", 17) and alloc.blocks_needed("a", 17) == 1
+    result = alloc.allocate("a", 17)
+    assert alloc.block_table("a") == [0, 1, 2, 3, 4]
+    assert result.copies == ((4, 0), (5, 1), (6, 2), (7, 3))
+    assert alloc.num_free_blocks() == 3
+    alloc.check()

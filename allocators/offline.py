@@ -26,10 +26,12 @@ Belady's rule, evict the block whose next use is farthest in the future, is the 
 optimum for uniform-size pages fetched on demand; here every block is one page and every
 hit is worth ``block_size`` tokens (tests/test_offline_cache.py checks it against every
 radix eviction policy). The next use of a key is the next request whose *matchable* prompt
-prefix contains it. A child's next use is never earlier than its parent's (a request that
-can match the child can match the parent), so breaking ties deeper-first never keeps a child
-whose parent is gone: the cache stays prefix-closed, as the radix tree is, and an unheld
-cached block never has a held descendant.
+prefix contains it, unless a request recomputes the key before that (then it is dead until
+recomputed, and its next use is "never"). A child's next use is never earlier than its
+parent's (a request that can match the child can match the parent), and ties go deeper
+first, so the victim is usually a leaf; a dead parent can go before its live child, which
+is then unreachable until the parent is recomputed (it costs no hit the parent's loss did
+not already cost).
 """
 
 from __future__ import annotations

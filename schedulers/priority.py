@@ -7,8 +7,11 @@ key ``priority + r * arrival``; the scheduler sorts by that key and never needs 
 and a preempted request never outranks the one it made room for.
 
 Like vLLM's priority policy, a waiting request that outranks running ones preempts the
-lowest-ranked of them when it cannot otherwise come in (``preempt_lower=True``): only
-as many as its prompt needs, and only when preempting them all would make it fit.
+lowest-ranked of them when it cannot otherwise come in (``preempt_lower=True``): one at a
+time until the allocator says it fits, and only when the blocks all of them would give back
+cover its need. That test counts blocks: with region placement, a prefix it shares with a
+victim, or running decodes that take the freed room first, it can preempt and still not
+admit the head this step (known limitation; an exact test needs a what-if on the allocator).
 
 Victims under memory pressure (``victim``), as in the low-level design seed:
 

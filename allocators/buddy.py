@@ -23,6 +23,16 @@ import heapq
 from allocators.contiguous import RegionAllocator
 
 
+def _merged(free_at: list[set[int]], start: int, order: int) -> tuple[int, int]:
+    """A freed region of ``2**order`` blocks at ``start``, merged with its free buddies
+    (removed from ``free_at``) for as long as they are free: the region that results."""
+    while order + 1 < len(free_at) and start ^ (1 << order) in free_at[order]:
+        free_at[order].remove(start ^ (1 << order))
+        start &= ~(1 << order)
+        order += 1
+    return start, order
+
+
 class BuddyAllocator(RegionAllocator):
     """Power-of-two aligned regions with O(log n) split and merge per operation."""
 
@@ -90,12 +100,7 @@ class BuddyAllocator(RegionAllocator):
             s *= 2
 
     def _give_back(self, start: int, size: int) -> None:
-        order = size.bit_length() - 1
-        while order + 1 < len(self._free_at) and start ^ (1 << order) in self._free_at[order]:
-            self._free_at[order].remove(start ^ (1 << order))
-            start &= ~(1 << order)
-            order += 1
-        self._add(start, order)
+        self._add(*_merged(self._free_at, start, size.bit_length() - 1))
 
     def _shrink(self, start: int, size: int, new_size: int) -> None:
         if not new_size:

@@ -33,6 +33,7 @@ too, and an unheld node has no held descendant.
 
 from __future__ import annotations
 
+import copy
 import heapq
 from collections.abc import Callable, Sequence
 from typing import Literal, get_args
@@ -110,6 +111,21 @@ class RadixAllocator(FreeListAllocator):
         self._num_cached = 0  # indexed blocks nobody holds
         self._candidates: list[int] = []  # heap of keys of unreferenced leaves
         self._clock = 0
+
+    def __deepcopy__(self, memo: dict) -> RadixAllocator:
+        """A copy for what-if questions (priority's make-room). The tree is rebuilt from the
+        per-block node list, not walked recursively: deep trees would exhaust the stack."""
+        olds = [self._root, *self._nodes]
+        news = [copy.copy(node) for node in olds]
+        memo.update((id(old), new) for old, new in zip(olds, news, strict=True))
+        for old, new in zip(olds, news, strict=True):
+            new.parent = None if old.parent is None else memo[id(old.parent)]
+            new.children = {h: memo[id(child)] for h, child in old.children.items()}
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for name, value in vars(self).items():
+            setattr(clone, name, copy.deepcopy(value, memo))
+        return clone
 
     # -- lookups and indexing ----------------------------------------------------------
 

@@ -7,11 +7,11 @@ key ``priority + r * arrival``; the scheduler sorts by that key and never needs 
 and a preempted request never outranks the one it made room for.
 
 Like vLLM's priority policy, a waiting request that outranks running ones preempts the
-lowest-ranked of them when it cannot otherwise come in (``preempt_lower=True``): one at a
-time until the allocator says it fits, and only when the blocks all of them would give back
-cover its need. That test counts blocks: with region placement, a prefix it shares with a
-victim, or running decodes that take the freed room first, it can preempt and still not
-admit the head this step (known limitation; an exact test needs a what-if on the allocator).
+lowest-ranked of them when it cannot otherwise come in (``preempt_lower=True``): the fewest
+that let it in this step, or none. When a count says it does not fit now, dry runs of the
+step on a copy of the allocator decide (region placement, a prefix the head shares with a
+victim, the others' decodes growing first, the token budget); they cost a copy of the
+allocator's state each, paid only while such a request waits.
 
 Victims under memory pressure (``victim``), as in the low-level design seed:
 
@@ -22,6 +22,8 @@ Victims under memory pressure (``victim``), as in the low-level design seed:
 """
 
 from __future__ import annotations
+
+import copy
 
 from allocators.base import BlockAllocator
 from harness.request import Sequence, Status
@@ -82,34 +84,61 @@ class PriorityScheduler(Scheduler):
         if not self.preempt_lower or not incoming or not self.running:
             return
         head = incoming[0]
-        if self._never_fits(head):
+        lower = sorted((s for s in self.running if self.rank(s) > self.rank(head)), key=self.rank)
+        if not lower or self._never_fits(head) or self._fits_by_count(head):
             return
+        # The fewest lowest-ranked victims after which the head comes in this step, found by
+        # dry runs on a copy of the allocator; if all of them would not do, nobody goes.
+        # Victims are freed lowest-ranked first, in the dry runs as for real: the order
+        # decides which cached blocks a prefix cache evicts first.
+        order = lower[::-1]
+        if self._comes_in(head, []) or not self._comes_in(head, order):
+            return
+        k = 1
+        while k < len(order) and not self._comes_in(head, order[:k]):
+            k += 1
+        for victim in order[:k]:
+            self._preempt(victim, out)
+
+    def _fits_by_count(self, head: Sequence) -> bool:
+        """The cheap test first: ``head`` fits now, the others' decodes counted."""
         alloc, rid = self.allocator, head.request_id
         whole = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
-        prefix = head.token_ids[: whole + 1]  # what its admission will match in a prefix cache
+        prefix = head.token_ids[: whole + 1]
+        growth = sum(self._decode_blocks(s) for s in self.running)
+        return (
+            len(self.running) < self.max_num_seqs
+            and alloc.can_allocate(rid, whole, prefix)
+            and alloc.num_free_blocks() - growth - alloc.blocks_needed(rid, whole, prefix)
+            >= self.watermark_blocks
+        )
 
-        def fits() -> bool:
-            return (
-                alloc.can_allocate(rid, whole, prefix)
-                and (
-                    alloc.num_free_blocks() - alloc.blocks_needed(rid, whole, prefix)
-                    >= self.watermark_blocks
-                )
-                and len(self.running) < self.max_num_seqs
-            )
-
-        lower = sorted((s for s in self.running if self.rank(s) > self.rank(head)), key=self.rank)
-        reclaimable = sum(alloc.reclaimable_blocks(s.request_id) for s in lower)
-        need = alloc.blocks_needed(rid, whole, prefix) + self.watermark_blocks
-        if (
-            alloc.num_free_blocks() + reclaimable < need
-            or len(self.running) - len(lower) >= self.max_num_seqs
-        ):
-            return  # preempting every lower-ranked request would still not let it in
-        # One victim at a time, asking again after each: a region allocator may need one
-        # region freed, not the blocks of many.
-        while lower and not fits():
-            self._preempt(lower.pop(), out)
+    def _comes_in(self, head: Sequence, victims: list[Sequence]) -> bool:
+        """Dry run of this step on a copy of the allocator once ``victims`` are freed: the
+        others grow first (decode-first), then ``head`` is admitted as ``_bring_in`` would
+        (seat, token budget, prefix match, placement, watermark)."""
+        staying = [s for s in self._running_order() if s not in victims]
+        if len(staying) >= self.max_num_seqs:
+            return False
+        trial = copy.deepcopy(self.allocator)
+        for victim in victims:
+            trial.free(victim.request_id)
+        budget = self.max_num_batched_tokens
+        for seq in staying:
+            n = self._chunk(seq, budget)
+            budget -= n
+            if n and trial.allocate(seq.request_id, seq.num_computed_tokens + n) is None:
+                return False
+        swapped = head.status is Status.SWAPPED
+        if not swapped and self._chunk(head, budget) <= 0:
+            return False
+        whole = head.num_computed_tokens if swapped else head.num_tokens
+        rid = head.request_id
+        trial.match_prefix(rid, head.token_ids[: whole + 1])
+        keep = self.watermark_blocks if staying else 0
+        return trial.can_allocate(rid, whole) and (
+            trial.num_free_blocks() - trial.blocks_needed(rid, whole) >= keep
+        )
 
 
 def _remaining(seq: Sequence) -> int:

@@ -136,42 +136,51 @@ def test_prefix_shared_with_a_running_sequence_is_not_counted_as_needed():
 
 class PreemptionOracle:
     """Checks each preemption against an independent oracle: on a deep copy of the
-    allocator taken just before it, the request it made room for must not have fitted."""
+    allocator taken just before it, the request it made room for must not have fitted; and
+    a request priority made room for must come in in that same step (``made_room_for``)."""
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.last_failed: tuple[str, int] | None = None
-        alloc = sched.allocator
-        allocate, preempt = alloc.allocate, sched._preempt
+        self.made_room_for: set[str] = set()
+        oracle, preempt = self, sched._preempt
 
-        def recording_allocate(seq_id: str, num_tokens: int):
-            result = allocate(seq_id, num_tokens)
-            if result is None:
-                self.last_failed = (seq_id, num_tokens)
-            return result
+        class Recording(type(sched.allocator)):  # copies (dry runs included) record too
+            def allocate(self, seq_id: str, num_tokens: int):
+                result = super().allocate(seq_id, num_tokens)
+                if result is None:
+                    oracle.last_failed = (seq_id, num_tokens)
+                return result
 
         def checked_preempt(victim: Sequence, out) -> None:
             caller = sys._getframe(1).f_code.co_name
             self.check(caller)
             preempt(victim, out)
 
-        alloc.allocate = recording_allocate
+        sched.allocator.__class__ = Recording
         sched._preempt = checked_preempt
 
     def check(self, caller: str) -> None:
         sched = self.sched
+        failed = self.last_failed  # read first: the trial's own failures record too
         trial: BlockAllocator = copy.deepcopy(sched.allocator)
-        trial.allocate = type(trial).allocate.__get__(trial)  # the real method on the copy
         if caller == "_schedule_running":
-            seq_id, num_tokens = self.last_failed
+            seq_id, num_tokens = failed
             assert trial.allocate(seq_id, num_tokens) is None, "a victim nobody needed"
             return
         assert caller == "_make_room", caller
         head = sched.next_incoming()
+        self.made_room_for.add(head.request_id)
+        # Decode-first: the running sequences take their tokens and blocks first.
+        budget, grown = sched.max_num_batched_tokens, True
+        for seq in sched._running_order():
+            n = sched._chunk(seq, budget)
+            budget -= n
+            grown &= trial.allocate(seq.request_id, seq.num_computed_tokens + n) is not None
         whole = head.num_tokens
         trial.match_prefix(head.request_id, head.token_ids[: whole + 1])
-        room = len(sched.running) < sched.max_num_seqs
-        fitted = trial.allocate(head.request_id, whole) is not None
+        room = len(sched.running) < sched.max_num_seqs and sched._chunk(head, budget) > 0
+        fitted = grown and trial.allocate(head.request_id, whole) is not None
         kept = trial.num_free_blocks() >= sched.watermark_blocks
         assert not (room and fitted and kept), f"preempted though {head.request_id} fitted"
 
@@ -196,7 +205,7 @@ workloads = st.lists(
 def test_a_victim_loop_never_preempts_a_sequence_it_did_not_need(kind, policy, workload):
     alloc = ALLOCATORS[kind](num_blocks=12, block_size=4)
     sched = POLICIES[policy](alloc, max_model_len=32, max_num_seqs=4)
-    PreemptionOracle(sched)
+    oracle = PreemptionOracle(sched)
     pending = sorted(  # prompt + output within max_model_len
         (arrival, i, request(f"r{i}", [family] * 8 + [i + 10] * n, min(out, 24 - n), arrival, prio))
         for i, (family, n, out, prio, arrival) in enumerate(workload)
@@ -204,7 +213,11 @@ def test_a_victim_loop_never_preempts_a_sequence_it_did_not_need(kind, policy, w
     for t in range(400):
         while pending and pending[0][0] <= t:
             sched.add(pending.pop(0)[2])
-        step(sched, float(t))
+        plan = step(sched, float(t))
+        came_in = {s.seq.request_id for s in plan.scheduled}
+        came_in |= {s.seq.request_id for s in plan.swapped_in}
+        assert oracle.made_room_for <= came_in, "preempted for a request that did not come in"
+        oracle.made_room_for.clear()
         if not pending and not sched.has_unfinished():
             break
     assert not sched.has_unfinished(), "the workload did not finish"

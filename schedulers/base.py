@@ -5,9 +5,10 @@ which sequences run and how many new tokens each computes, who was preempted and
 (recompute or swap), which swapped sequences come back, and the block copies the runner
 applies first. It asks the allocator for blocks through the allocator's contract and never
 does block arithmetic itself: how many blocks a growth or an admission takes
-(``blocks_needed``), whether it can be placed at all (``can_allocate``: regions need a run
-or a buddy of the right size), and what a victim would give back (``reclaimable_blocks``)
-are the allocator's answers, exact for paged, region and caching allocators alike.
+(``blocks_needed``) and whether it can be placed at all (``can_allocate``: regions need a
+run or a buddy of the right size) are the allocator's answers, exact for paged, region and
+caching allocators alike; what preempting someone would change is a dry run on a copy of
+the allocator (priority's make-room).
 
 One step, decode-first (the default)::
 

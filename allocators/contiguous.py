@@ -121,7 +121,10 @@ class RegionAllocator(BlockAllocator):
             return None
         # The engine reads every source before it writes (one gather, one scatter), so the
         # new region may overlap the old one; a block that keeps its place is no copy.
-        copies = tuple((src, dst + i) for i, src in enumerate(table) if src != dst + i)
+        if dst >= s.start + s.size or dst + new_size <= s.start:  # disjoint: the usual case
+            copies = tuple(zip(table, range(dst, dst + len(table)), strict=True))
+        else:
+            copies = tuple((src, dst + i) for i, src in enumerate(table) if src != dst + i)
         old, moved = (s.start, s.start + s.size), (dst, dst + new_size)
         for lo, hi in _minus(moved, old):
             self._hold_run(lo, hi - lo)

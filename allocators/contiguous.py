@@ -120,17 +120,16 @@ class RegionAllocator(BlockAllocator):
         if dst is None:
             return None
         # The engine reads every source before it writes (one gather, one scatter), so the
-        # new region may overlap the old one; a block that keeps its place is no copy.
-        if dst >= s.start + s.size or dst + new_size <= s.start:  # disjoint: the usual case
-            copies = tuple(zip(table, range(dst, dst + len(table)), strict=True))
-        else:
-            copies = tuple((src, dst + i) for i, src in enumerate(table) if src != dst + i)
+        # new region may overlap the old one. It never starts where the old one did (that
+        # would have been growth in place), so every block of the run moves.
+        copies = tuple(zip(table, range(dst, dst + len(table)), strict=True))
         old, moved = (s.start, s.start + s.size), (dst, dst + new_size)
-        for lo, hi in _minus(moved, old):
+        overlap = dst < old[1] and old[0] < moved[1]
+        for lo, hi in _minus(moved, old) if overlap else (moved,):
             self._hold_run(lo, hi - lo)
         s.start, s.size = dst, new_size
         table[:] = range(dst, dst + need)
-        for lo, hi in _minus(old, moved):
+        for lo, hi in _minus(old, moved) if overlap else (old,):
             self._release(lo, hi - lo)
         if copies:
             self._relocations += 1

@@ -23,7 +23,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 GROUPS = ("model", "allocator", "scheduler", "trace", "engine")
 # Top-level plain keys and the type each must have.
-SETTINGS = {"experiment_name": str, "sweep_id": str, "progress": bool}
+SETTINGS = {
+    "experiment_name": str,
+    "sweep_id": str,
+    "progress": bool,
+    "warmup": int,
+    "mlx_cache_limit": int,
+}
 # Arguments the harness passes when it builds a part, so the config must not set them.
 RUNTIME_ARGS = {
     "allocator": {"num_blocks", "block_size"},
@@ -50,6 +56,8 @@ def validate(cfg: DictConfig) -> None:
         value = _value(cfg, key, key)
         if not _matches(value, kind):
             raise ConfigError(f"{key}={value!r} must be {kind.__name__}")
+        if kind is int and value < 0:
+            raise ConfigError(f"{key}={value!r} must be >= 0")
     if "generator" not in cfg.trace:
         raise ConfigError(
             "trace.generator is missing: a trace option sets its knobs at trace.* and the call "

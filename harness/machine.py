@@ -31,6 +31,19 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# MLX keeps freed buffers for reuse up to this many bytes (its CPU default is 32 MiB, so a
+# step's gathers larger than that were allocated afresh every step: 95 -> 46 ms per step).
+MLX_CACHE_LIMIT = 4 << 30
+
+
+def set_mlx_cache_limit(limit: int = MLX_CACHE_LIMIT) -> None:
+    """MLX's buffer-cache limit, a process-wide setting: made once by the process's entry
+    point (``kvbench``, ``python -m harness.bench``), never by a library constructor."""
+    import mlx.core as mx
+
+    mx.set_cache_limit(limit)
+
+
 def info() -> dict[str, Any]:
     """Platform, CPU, Python, package versions, MLX's default device and BLAS (as probed)."""
     import mlx.core as mx

@@ -46,19 +46,23 @@ STEP_SCHEMA: dict[str, str] = {
     "start_time": "float",
     "duration": "float",  # the whole step, scheduling included
     "forward_time": "float",  # the synchronised model forward
+    "build_time": "float",  # host work building the forward's inputs (before forward_time)
     "batch_size": "int",
     "prefill_tokens": "int",
     "decode_tokens": "int",
     "preempted": "int",
+    "swap_out_blocks": "int",
+    "swap_in_blocks": "int",
+    "swap_time": "float",  # host copies of swapped KV, synchronised
     "num_waiting": "int",
     "num_running": "int",
     "num_swapped": "int",
     "blocks_used": "int",
     "blocks_free": "int",
     "blocks_cached": "int",
-    "slots_tokens": "int",  # KV slots holding token states
-    "slots_future": "int",  # allocated for tokens still to come (within prompt+max_tokens)
-    "slots_internal": "int",  # allocated but never to be used (block/region slack)
+    "slots_tokens": "int",  # KV slots holding token states once the step's writes are done
+    "slots_future": "int",  # allocated slots their holder fills later
+    "slots_internal": "int",  # allocated slots never filled (block/region slack)
     "slots_external": "int",  # free slots in runs/regions too small for the next request in line
     "slots_total": "int",  # arena slots
     "external_fragmentation": "float",  # slots_external over free slots (vLLM paper's sense)
@@ -66,6 +70,8 @@ STEP_SCHEMA: dict[str, str] = {
     "mlx_peak_bytes": "int",
     "spec_proposed": "int",
     "spec_accepted": "int",
+    "spec_rejected": "int",
+    "spec_verifications": "int",
 }
 REQUEST_COLUMNS: tuple[str, ...] = tuple(REQUEST_SCHEMA)
 STEP_COLUMNS: tuple[str, ...] = tuple(STEP_SCHEMA)
@@ -92,7 +98,8 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "prefix_hit_rate",
     "preemptions",
     "spec_acceptance_rate",
-    "spec_accepted_per_step",
+    "spec_draft_acceptance_rate",
+    "spec_tokens_per_verification",
     "mlx_peak_bytes",
     "num_steps",
     "clock",
@@ -194,18 +201,27 @@ def _ratio(num: float, den: float) -> float:
 
 
 def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dict[str, Any]:
-    """The run's figures (keys ``SUMMARY_KEYS``), computed only from the two tables.
+    """The run's figures (keys ``SUMMARY_KEYS``), computed only from the two tables;
+    docs/results.md defines each and names the tool or paper it follows.
 
-    Latencies (s) over completed requests (finish_reason != 'abort'): TTFT = first token -
-    arrival; TPOT = (E2E - TTFT) / (output_tokens - 1), only requests with > 1 output token;
-    ITL = every gap between consecutive token_times, pooled; E2E = finish - arrival. Each as
-    mean/p50/p90/p99, NaN when empty. duration = last finish - first arrival (all requests);
-    throughputs and goodput count completed requests per second of it. Goodput counts
-    completed requests meeting every SLO they have (TPOT of a 1-token request is 0, as in
-    vLLM). KV fractions are of ``slots_total``, averaged over steps (``_mean``) and at the
-    step with the most allocated slots (tokens+future+internal; ``_peak``); kv_utilisation
-    = sum tokens / sum allocated. prefix_hit_rate and preemptions use all requests; spec
-    figures come from the steps (accepted per step counts only steps that proposed drafts).
+    Latencies (s) over completed requests (finish_reason != 'abort'), as vLLM's ``bench
+    serve``: TTFT = first token - arrival; TPOT = (E2E - TTFT) / (output_tokens - 1), only
+    requests with > 1 output token; ITL = the gap between consecutive *chunks* (tokens a
+    step produced together, e.g. accepted drafts, are one chunk, as one streamed message),
+    pooled; E2E = finish - arrival. Each as mean/p50/p90/p99, NaN when empty. duration =
+    last finish - first arrival (all requests); throughputs and goodput count completed
+    requests per second of it; goodput counts those meeting every SLO they have (TPOT of a
+    1-token request is 0, as in vLLM).
+
+    Memory (the vLLM paper's breakdown, fractions of ``slots_total``): ``_mean`` weights
+    each step by its duration (a time average over the engine's busy time), ``_peak`` is
+    the step with the most allocated slots (tokens+future+internal); kv_utilisation =
+    time-weighted tokens / time-weighted allocated; blocks_used_mean and
+    external_fragmentation_mean are time-weighted too. prefix_hit_rate and preemptions use
+    all requests. Speculative decoding as Leviathan et al. (ICML 2023) define it:
+    acceptance rate alpha = accepted / (accepted + rejected), each verification stopping at
+    its first rejected draft; tokens per verification = 1 + accepted per sequence
+    verification; vLLM's draft acceptance rate = accepted / proposed.
     """
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
@@ -214,7 +230,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     ttft = done["first_token_time"] - done["arrival_time"]
     multi = done["output_tokens"] > 1
     tpot = (done["finish_time"] - done["first_token_time"]) / (done["output_tokens"] - 1)
-    itl = [g for times in done["token_times"] for g in np.diff(times)]
+    itl = [g for times in done["token_times"] for g in np.diff(np.unique(times))]
     out: dict[str, Any] = {}
     out.update(_stats("ttft", ttft.dropna()))
     out.update(_stats("tpot", tpot[multi].dropna()))
@@ -240,21 +256,28 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     parts["free"] = st["slots_total"] - sum(parts.values())
     allocated = parts["tokens"] + parts["future"] + parts["internal"]
     peak = int(np.argmax(allocated.to_numpy())) if len(st) else None
+    weight = st["duration"].to_numpy(np.float64)
+
+    def over_time(values: pd.Series) -> float:
+        """Mean weighted by step duration (NaN without time to weigh by)."""
+        return float(np.average(values, weights=weight)) if weight.sum() > 0 else math.nan
+
     for p, slots in parts.items():
-        out[f"kv_{p}_frac_mean"] = float((slots / total).mean())
+        out[f"kv_{p}_frac_mean"] = over_time(slots / total)
         out[f"kv_{p}_frac_peak"] = (
             math.nan if peak is None else float(slots.iloc[peak] / total.iloc[peak])
         )
-    spec_steps = int((st["spec_proposed"] > 0).sum())
+    accepted, verifications = st["spec_accepted"].sum(), st["spec_verifications"].sum()
     out.update(
-        kv_utilisation=_ratio(parts["tokens"].sum(), allocated.sum()),
+        kv_utilisation=_ratio(over_time(parts["tokens"]), over_time(allocated)),
         blocks_used_peak=float(st["blocks_used"].max()) if len(st) else math.nan,
-        blocks_used_mean=float(st["blocks_used"].mean()),
-        external_fragmentation_mean=float(st["external_fragmentation"].mean()),
+        blocks_used_mean=over_time(st["blocks_used"]),
+        external_fragmentation_mean=over_time(st["external_fragmentation"]),
         prefix_hit_rate=_ratio(req["cached_tokens"].sum(), req["prompt_tokens"].sum()),
         preemptions=int(req["preemptions"].sum()),
-        spec_acceptance_rate=_ratio(st["spec_accepted"].sum(), st["spec_proposed"].sum()),
-        spec_accepted_per_step=_ratio(st["spec_accepted"].sum(), spec_steps),
+        spec_acceptance_rate=_ratio(accepted, accepted + st["spec_rejected"].sum()),
+        spec_draft_acceptance_rate=_ratio(accepted, st["spec_proposed"].sum()),
+        spec_tokens_per_verification=_ratio(accepted + verifications, verifications),
         mlx_peak_bytes=float(st["mlx_peak_bytes"].max()) if len(st) else math.nan,
         num_steps=len(st),
         clock=clock,
@@ -288,9 +311,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ("Request throughput", _num(s["request_throughput"], digits=3, unit=" req/s")),
         ("Goodput (SLOs met)", _num(s["goodput"], digits=3, unit=" req/s")),
     ]
-    for agg in ("mean", "peak"):
+    for agg in ("mean", "peak"):  # mean: weighted by step duration
         parts = " ".join(f"{p} {_num(s[f'kv_{p}_frac_{agg}'], 100, 1, unit='%')}" for p in KV_PARTS)
-        rows.append((f"KV slots ({agg})", parts))
+        rows.append((f"KV slots ({'time mean' if agg == 'mean' else agg})", parts))
     rows += [
         ("KV utilisation (tokens/allocated)", _num(s["kv_utilisation"], 100, 1, unit=" %")),
         (
@@ -303,8 +326,12 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ),
         ("Prefix hit rate", _num(s["prefix_hit_rate"], 100, 1, unit=" %")),
         ("Preemptions", str(s["preemptions"])),
-        ("Spec acceptance rate", _num(s["spec_acceptance_rate"], 100, 1, unit=" %")),
-        ("Spec accepted tokens / spec step", _num(s["spec_accepted_per_step"])),
+        (
+            "Spec acceptance rate alpha / draft",
+            f"{_num(s['spec_acceptance_rate'], 100, 1, unit=' %')} / "
+            f"{_num(s['spec_draft_acceptance_rate'], 100, 1, unit=' %')}",
+        ),
+        ("Spec tokens / verification", _num(s["spec_tokens_per_verification"])),
         ("MLX peak memory", _num(s["mlx_peak_bytes"], 2.0**-20, 1, unit=" MiB")),
         ("Engine steps", str(s["num_steps"])),
     ]

@@ -2,6 +2,19 @@
 
 Column names are those of ``harness.metrics`` (REQUEST_COLUMNS, STEP_COLUMNS); the summary
 is computed from these rows alone, so every figure in it can be recomputed from the tables.
+
+The KV breakdown of a step (the vLLM paper's Fig. 2) is the arena as the step leaves it:
+
+    tokens    slots holding a token's KV once the step's writes are done (a shared block once)
+    future    allocated slots its holder fills later (within the same allocation)
+    internal  allocated slots nobody ever fills (block tails, region slack, reserve beyond the
+              request's real length, a region freed by preemption before it is filled)
+    external  free slots in runs or buddies too small for the next request in line
+
+Which allocated slots get filled is known only when an allocation ends (finish, abort,
+preemption, swap-out), so each step's ``future`` is completed then: a sequence's slots in a
+step count as future up to what it has written when it leaves. Rows are final once every
+allocation live at their step has ended; ``steps`` resolves the rest as of the last step.
 """
 
 from __future__ import annotations
@@ -11,22 +24,41 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from allocators.base import BlockAllocator
-from harness.kv_cache import KVArena
-from harness.request import Sequence
+from harness.request import Sequence, Status
 
 if TYPE_CHECKING:
     from schedulers.base import Scheduler, SchedulerOutput
 
 
+class _Holding:
+    """One allocation of a sequence (admission to release) and the steps it was live in."""
+
+    __slots__ = ("entries", "written")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[dict, int, int]] = []  # (step row, held slots, written)
+        self.written = 0  # slots written as of the latest step
+
+
 class Recorder:
     """Collects per-step and per-request rows (a no-op when disabled, e.g. in benchmarks)."""
 
-    def __init__(self, allocator: BlockAllocator, arena: KVArena, *, enabled: bool = True):
+    def __init__(self, allocator: BlockAllocator, *, enabled: bool = True):
         self.allocator = allocator
-        self.arena = arena
         self.enabled = enabled
-        self.steps: list[dict] = []
         self.requests: list[dict] = []
+        self._rows: list[dict] = []
+        self._live: dict[tuple[Sequence, int], _Holding] = {}  # by (sequence, preemptions)
+
+    @property
+    def steps(self) -> list[dict]:
+        """The step rows; allocations still live count what they have written so far."""
+        if not self._live:
+            return self._rows
+        rows = {id(r): dict(r) for r in self._rows}
+        for holding in self._live.values():
+            _settle(holding, lambda r: rows[id(r)])
+        return [rows[id(r)] for r in self._rows]
 
     def request(self, seq: Sequence) -> None:
         if not self.enabled:
@@ -54,45 +86,71 @@ class Recorder:
             }
         )
 
-    def snapshot(self, scheduler: Scheduler) -> dict | None:
-        """KV memory and queue figures of the step being run (taken while its forward
-        computes, so the bookkeeping overlaps the model instead of adding to the step)."""
+    def snapshot(self, scheduler: Scheduler, plan: SchedulerOutput) -> dict | None:
+        """The step's KV memory, token split and queue figures. Taken after scheduling and
+        before the step's outputs are processed (while its forward computes, so the
+        bookkeeping overlaps the model): the plan's allocations are made, its writes are
+        about to happen, and each sequence's ``num_computed_tokens`` is still pre-step."""
         if not self.enabled:
             return None
         alloc = self.allocator
         stats = alloc.stats()
-        bs = stats.block_size
-        future = 0
+        new = {id(s.seq): s.num_new_tokens for s in plan.scheduled}
+        prefill = 0
+        for s in plan.scheduled:
+            seq = s.seq
+            fed = s.num_new_tokens - s.num_draft_tokens
+            # A decode feeds the one sampled token that has no KV yet (plus drafts to
+            # verify); any other row computes prompt (or recomputed) tokens, even a 1-token
+            # chunk.
+            decode = seq.num_output_tokens and seq.num_computed_tokens == seq.num_tokens - 1
+            if not (fed == 1 and decode):
+                prefill += fed
+        row: dict = {}
+        unwritten = 0  # allocated slots not written by the end of this step
         for seq in scheduler.running:
-            final = min(seq.num_prompt_tokens + seq.params.max_tokens, scheduler.max_seq_len)
-            held = alloc.held_slots(seq.request_id)  # region slack included
-            future += max(0, min(held, final) - seq.num_computed_tokens)
-        spare = max(0, stats.reserved_slots - stats.used_slots)
-        future = min(future, spare)
+            written = seq.num_computed_tokens + new.get(id(seq), 0)
+            unwritten += alloc.num_tokens(seq.request_id) - written
+            holding = self._live.get((seq, seq.preemptions))
+            if holding is None:
+                holding = self._live[seq, seq.preemptions] = _Holding()
+            holding.entries.append((row, alloc.held_slots(seq.request_id), written))
+            holding.written = written
+        tokens = stats.used_slots - unwritten
         # External fragmentation as the vLLM paper means it: free blocks that cannot serve
         # the request next in line (runs or buddies too small for its region).
         head = scheduler.next_incoming()
-        unusable = alloc.unusable_free_blocks(head.num_tokens) if head is not None else 0
-        return {
-            "num_waiting": len(scheduler.waiting),
-            "num_running": len(scheduler.running),
-            "num_swapped": len(scheduler.swapped),
-            "blocks_used": stats.used_blocks,
-            "blocks_free": stats.free_blocks,
-            "blocks_cached": stats.cached_blocks,
-            "slots_tokens": stats.used_slots,
-            "slots_future": future,
-            "slots_internal": spare - future,
-            "slots_external": unusable * bs,
-            "slots_total": stats.num_blocks * bs,
-            "external_fragmentation": unusable / stats.free_blocks if stats.free_blocks else 0.0,
-            "mlx_active_bytes": mx.get_active_memory(),
-        }
+        unusable = 0
+        if head is not None:
+            need = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
+            unusable = alloc.unusable_free_blocks(need)
+        bs = stats.block_size
+        row.update(
+            prefill_tokens=prefill,
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_swapped=len(scheduler.swapped),
+            blocks_used=stats.used_blocks,
+            blocks_free=stats.free_blocks,
+            blocks_cached=stats.cached_blocks,
+            slots_tokens=tokens,
+            slots_future=0,  # completed as the allocations live now end (_settle)
+            slots_internal=stats.reserved_slots - tokens,
+            slots_external=unusable * bs,
+            slots_total=stats.num_blocks * bs,
+            external_fragmentation=unusable / stats.free_blocks if stats.free_blocks else 0.0,
+            mlx_active_bytes=mx.get_active_memory(),
+        )
+        # Allocations live at the previous step and not now have ended: settle them.
+        ended = [k for k, h in self._live.items() if h.entries[-1][0] is not row]
+        for key in ended:
+            _settle(self._live.pop(key), lambda r: r)
+        return row
 
     def step(
         self,
         plan: SchedulerOutput,
-        snapshot: dict | None,
+        row: dict | None,
         start: float,
         duration: float,
         forward_time: float,
@@ -102,28 +160,39 @@ class Recorder:
         """One row per step: the plan, its timings, and the ``snapshot`` taken during it."""
         if not self.enabled:
             return
-        # A speculative verification computes 1 + k tokens but is a decode, not a prefill.
-        prefill = sum(n for s in plan.scheduled if (n := s.num_new_tokens - s.num_draft_tokens) > 1)
-        self.steps.append(
-            {
-                "step": len(self.steps),
-                "start_time": start,
-                "duration": duration,
-                "forward_time": forward_time,
-                "build_time": build_time,
-                "batch_size": len(plan.scheduled),
-                "prefill_tokens": prefill,
-                "decode_tokens": plan.num_batched_tokens - prefill,
-                "preempted": len(plan.preempted),
-                "swap_out_blocks": sum(len(s.blocks) for s in plan.swapped_out),
-                "swap_in_blocks": sum(len(s.blocks) for s in plan.swapped_in),
-                "swap_time": swap_time,  # host copies of swapped KV, synchronised
-                **snapshot,
-                "mlx_peak_bytes": mx.get_peak_memory(),
-                "spec_proposed": getattr(plan, "spec_proposed", 0),
-                "spec_accepted": getattr(plan, "spec_accepted", 0),
-            }
+        row.update(
+            step=len(self._rows),
+            start_time=start,
+            duration=duration,
+            forward_time=forward_time,
+            build_time=build_time,
+            batch_size=len(plan.scheduled),
+            decode_tokens=plan.num_batched_tokens - row["prefill_tokens"],
+            preempted=len(plan.preempted),
+            swap_out_blocks=sum(len(s.blocks) for s in plan.swapped_out),
+            swap_in_blocks=sum(len(s.blocks) for s in plan.swapped_in),
+            swap_time=swap_time,
+            mlx_peak_bytes=mx.get_peak_memory(),
+            spec_proposed=getattr(plan, "spec_proposed", 0),
+            spec_accepted=getattr(plan, "spec_accepted", 0),
+            spec_rejected=getattr(plan, "spec_rejected", 0),
+            spec_verifications=sum(1 for s in plan.scheduled if s.num_draft_tokens),
         )
+        self._rows.append(row)
+
+
+def _settle(holding: _Holding, target) -> None:
+    """Move the slots an allocation went on to fill from ``internal`` to ``future`` in each
+    step row it was live in (``target`` maps a recorded row to the row to change)."""
+    for recorded, held, written in holding.entries:
+        fills = max(0, min(held, holding.written) - written)
+        if fills:
+            r = target(recorded)
+            # Capped by the step's unfilled slots: a partial block shared by several holders
+            # (fork) is in each one's held slots but is one block of the arena.
+            moved = min(fills, r["slots_internal"])
+            r["slots_future"] += moved
+            r["slots_internal"] -= moved
 
 
 def _or_nan(x: float | None) -> float:

@@ -5,6 +5,7 @@ Every run folder (Hydra makes it: ``results/<experiment>/runs/<time>_<hex>`` or
 config and the overrides), ``requests.parquet``, ``steps.parquet`` and ``summary.json``.
 Files are written to a temporary name and renamed (``os.replace``), so a reader never sees
 a half-written file, and ``summary.json`` is written last: a folder with it is a finished run.
+A run that fails writes ``failed.txt`` (the error) instead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from harness.metrics import requests_frame, steps_frame
 SUMMARY_FILE = "summary.json"
 REQUESTS_FILE = "requests.parquet"
 STEPS_FILE = "steps.parquet"
+FAILED_FILE = "failed.txt"
 
 
 def _atomic(path: Path, write: Callable[[str], None]) -> None:
@@ -47,9 +49,18 @@ def write_tables(run_dir: str | os.PathLike, requests: pd.DataFrame, steps: pd.D
 
 
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> None:
-    """Write ``summary.json`` atomically (NaN as null, so any JSON reader accepts it)."""
+    """Write ``summary.json`` atomically (NaN as null, so any JSON reader accepts it); a
+    failure mark left by an earlier attempt in the same folder goes."""
     text = json.dumps(_nan_to_none(summary), indent=2) + "\n"
     _atomic(Path(run_dir) / SUMMARY_FILE, lambda tmp: Path(tmp).write_text(text))
+    (Path(run_dir) / FAILED_FILE).unlink(missing_ok=True)
+
+
+def write_failure(run_dir: str | os.PathLike, error: BaseException) -> None:
+    """Mark a run folder as failed: ``failed.txt`` holds the error; no summary.json."""
+    text = f"{type(error).__name__}: {error}\n"
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    _atomic(Path(run_dir) / FAILED_FILE, lambda tmp: Path(tmp).write_text(text))
 
 
 def read_summary(run_dir: str | os.PathLike) -> dict[str, Any] | None:

@@ -13,16 +13,21 @@ sweep with its ``sweep_id`` completes only the missing jobs.
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import secrets
 import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import hydra
+import mlx.core as mx
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
@@ -36,13 +41,15 @@ from harness.config import validate
 from harness.engine import LLMEngine
 from harness.metrics import format_summary, requests_frame, steps_frame, summarize
 from harness.models import LoadedModel
-from harness.replay import check_trace, replay
+from harness.replay import check_trace, replay, sampling_params
+from harness.traces import Trace, max_prefix_hit_rate
 from schedulers.base import Scheduler
 
 log = logging.getLogger(__name__)
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 CLOCKS = {"virtual": VirtualClock, "wall": WallClock}
+WARMUP_TOKENS = 8  # output tokens per warm-up request: a few decode steps
 
 # conf/hydra/launcher/{ray,submitit_slurm}.yaml keep the plugins' option names, so Hydra
 # validates them against the plugins' schemas of the same name and warns that this matching
@@ -116,31 +123,47 @@ def run(
         trace = _build(cfg.trace.generator)
         model = _build(cfg.model)
         check_trace(trace, model.vocab_size)
-        engine = _build(cfg.engine)(model, _build(cfg.allocator), _build(cfg.scheduler))
+        build = partial(_build(cfg.engine), model, _build(cfg.allocator), _build(cfg.scheduler))
+        engine = build()
     except (ValueError, OSError) as e:
+        results.write_failure(out, e)
         raise UsageError(str(e)) from e
+    machine.set_mlx_cache_limit(cfg.mlx_cache_limit)
+    if cfg.warmup:
+        # First-time costs (allocations, BLAS threads) are the harness's, not the policy's:
+        # pay them on a throwaway engine, so the measured one starts with a clean arena,
+        # prefix cache and clock. Its buffers go back to MLX's cache for the real one.
+        warm_up(engine, trace, cfg.warmup)
+        del engine
+        gc.collect()
+        engine = build()
+    mx.reset_peak_memory()  # mlx_peak_bytes is this run's, not an earlier job's
     started = time.perf_counter()
     try:
         replay(engine, trace, progress=cfg.progress)
-    except BaseException:
+    except BaseException as e:
         log.error(
             "replay failed: writing the %d finished requests' rows to %s",
             len(engine.recorder.requests),
             out,
         )
         results.write_tables(out, *_tables(engine))
+        results.write_failure(out, e)
         raise
     wall_time = time.perf_counter() - started
     requests, steps = _tables(engine)
     results.write_tables(out, requests, steps)
     summary = summarize(requests, steps, clock=engine.clock.name)
+    block_size = engine.allocator.block_size
     summary.update(
         wall_time=wall_time,
         num_requests=len(trace),
         max_prefix_hit_rate=trace.metadata.get("max_prefix_hit_rate"),
+        max_prefix_hit_rate_blocks=max_prefix_hit_rate(trace.requests, block_size),
+        warmup_requests=min(cfg.warmup, len(trace)),
         model_name=model.name,
         num_blocks=engine.allocator.num_blocks,
-        block_size=engine.allocator.block_size,
+        block_size=block_size,
         choices=dict(choices or {}),
         overrides=list(overrides),
         trace_metadata=trace.metadata,
@@ -148,6 +171,17 @@ def run(
     )
     results.write_summary(out, summary)
     return summary
+
+
+def warm_up(engine: LLMEngine, trace: Trace, num_requests: int) -> None:
+    """Run the trace's first ``num_requests`` prompts at once, at most ``WARMUP_TOKENS``
+    output tokens each, through ``engine``: batched prefills and decodes of the trace's own
+    shapes. The engine is thrown away after."""
+    for req in trace.requests[:num_requests]:
+        params = replace(sampling_params(req), max_tokens=min(WARMUP_TOKENS, req.max_tokens))
+        engine.add_request(f"warmup-{req.request_id}", req.prompt_token_ids, params)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def _build(node: DictConfig) -> Any:
@@ -199,6 +233,13 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             log.info("skipped: %s already holds a finished run", out)
             return done
     choices = {g: c for g, c in hc.runtime.choices.items() if not g.startswith("hydra")}
+    if "joblib" in hc.launcher.get("_target_", "").lower() and hc.launcher.get("n_jobs") != 1:
+        log.warning(
+            "hydra/launcher=joblib runs this sweep's jobs in parallel on %s cores: every "
+            "measured step includes their contention. For timing figures run jobs one at a "
+            "time (the default launcher, or hydra.launcher.n_jobs=1).",
+            os.cpu_count(),
+        )
     try:
         summary = run(cfg, out, overrides=overrides, choices=choices)
     except UsageError as e:

@@ -168,7 +168,7 @@ def test_bad_config_fails_before_any_work(compose_cfg, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="must be float") as error:
         run(compose_cfg(["trace.rate=fast"]), tmp_path / "out")
     assert isinstance(error.value.__cause__, ConfigError)
-    assert not (tmp_path / "out").exists()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["failed.txt"]  # nothing else
 
 
 # -- bad trace files --------------------------------------------------------------------------
@@ -183,14 +183,14 @@ def test_bad_trace_file_names_line_and_field(compose_cfg, tmp_path: Path) -> Non
     with pytest.raises(UsageError, match=r"bad\.jsonl line 2: field 'max_tokens'") as error:
         run(compose_cfg(["trace=file", f"trace.path={path}"]), tmp_path / "out")
     assert isinstance(error.value.__cause__, TraceError)
-    assert not list((tmp_path / "out").iterdir())  # nothing written
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["failed.txt"]  # nothing else
 
 
 def test_untyped_trace_knob_fails_before_replay(compose_cfg, tmp_path: Path) -> None:
     cfg = compose_cfg(["trace=poisson", "trace.num_requests=6", "trace.tpot_slo=abc"])
     with pytest.raises(UsageError, match=r"field 'tpot_slo' is 'abc'.*trace\.tpot_slo"):
         run(cfg, tmp_path / "o")
-    assert not list((tmp_path / "o").iterdir())
+    assert [p.name for p in (tmp_path / "o").iterdir()] == ["failed.txt"]
 
 
 def test_trace_tokens_outside_the_vocabulary_fail_before_replay(compose_cfg, tmp_path) -> None:
@@ -199,4 +199,4 @@ def test_trace_tokens_outside_the_vocabulary_fail_before_replay(compose_cfg, tmp
     assert load(tmp_path / "big.parquet").requests == trace.requests
     with pytest.raises(UsageError, match=r"'prompt_token_ids' holds id \d+, outside"):
         run(compose_cfg(["trace=file", f"trace.path={tmp_path / 'big.parquet'}"]), tmp_path / "o")
-    assert not list((tmp_path / "o").iterdir())
+    assert [p.name for p in (tmp_path / "o").iterdir()] == ["failed.txt"]

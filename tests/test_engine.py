@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from functools import partial
 
 import mlx.core as mx
@@ -19,10 +20,11 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
+from harness.clock import WallClock
 from harness.engine import LLMEngine, RequestError
 from harness.kv_cache import KVArena
 from harness.model_runner import ModelRunner, Row
-from harness.sampling import SamplingParams
+from harness.sampling import SamplingParams, sample
 from schedulers.fcfs import FCFSScheduler
 
 ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAllocator]
@@ -234,6 +236,37 @@ def test_requests_added_and_aborted_from_another_thread(model, prompts, referenc
     assert all(finished[f"r{i}"] == reference[i] for i in range(1, 6))
     assert "doomed" in finished
     assert_all_free(engine)
+
+
+def test_a_token_is_stamped_when_it_exists_after_sampling(model, prompts, monkeypatch):
+    """A slow sampler delays the first token: TTFT includes it (it was stamped before)."""
+
+    def slow(*args, **kwargs):
+        time.sleep(0.2)
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr("harness.engine.sample", slow)
+    engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=64)
+    engine.add_request("a", prompts[1], dataclasses.replace(GREEDY, max_tokens=1), 0.0)
+    engine.step()
+    (row,) = engine.recorder.requests
+    (step,) = engine.recorder.steps
+    assert row["first_token_time"] - row["arrival_time"] >= 0.2
+    assert row["first_token_time"] <= step["start_time"] + step["duration"]
+
+
+def test_a_request_from_another_thread_arrives_when_it_is_handed_over(model, prompts):
+    """Arrival is stamped before add_request waits for the engine's lock, not after."""
+    engine = LLMEngine.build(
+        model, FreeListAllocator, FCFSScheduler, num_blocks=64, clock=WallClock()
+    )
+    with engine._lock:  # a step in progress
+        handed_over = engine.clock.now()
+        client = threading.Thread(target=engine.add_request, args=("a", prompts[1], GREEDY))
+        client.start()
+        time.sleep(0.3)
+    client.join()
+    assert engine.scheduler.waiting[0].arrival_time - handed_over < 0.2
 
 
 class LetterTokenizer:

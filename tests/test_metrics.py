@@ -67,22 +67,15 @@ def hand_tables():
         # aborted: counted, but its TTFT 0.2 / ITL 0.1 must not enter the latencies
         _request("d", 0.5, [0.7, 0.8], reason="abort", finish_time=7.0),
     ]
+    # Steps of 1, 3 and 2 s: means over time weigh them so (per-step means would not).
     steps = [
-        _step(0, 10, 20, 5, 5, blocks_used=4, mlx_peak_bytes=100, spec_proposed=4),
-        _step(
-            1,
-            30,
-            10,
-            10,
-            0,
-            blocks_used=6,
-            mlx_peak_bytes=300,
-            spec_accepted=3,
-            spec_proposed=4,
-            external_fragmentation=0.5,
-        ),
-        _step(2, 0, 0, 0, 0, blocks_used=0, mlx_peak_bytes=200),
-    ]
+        _step(0, 10, 20, 5, 5, blocks_used=4, mlx_peak_bytes=100, spec_proposed=4,
+              spec_rejected=1, spec_verifications=1),
+        _step(1, 30, 10, 10, 0, duration=3.0, blocks_used=6, mlx_peak_bytes=300,
+              external_fragmentation=0.5, spec_proposed=8, spec_accepted=6, spec_rejected=1,
+              spec_verifications=2),
+        _step(2, 0, 0, 0, 0, duration=2.0, blocks_used=0, mlx_peak_bytes=200),
+    ]  # fmt: skip
     return requests_frame(requests), steps_frame(steps)
 
 
@@ -109,16 +102,28 @@ def test_hand_built_throughput_goodput_and_counts(hand_tables):
 
 def test_hand_built_memory_and_spec(hand_tables):
     s = summarize(*hand_tables, clock="virtual")
-    assert s["kv_tokens_frac_mean"] == pytest.approx(0.4 / 3)
-    assert s["kv_free_frac_mean"] == pytest.approx((0.6 + 0.5 + 1.0) / 3)
+    # Time-weighted over 6 s: tokens 10 % for 1 s, 30 % for 3 s, 0 % for 2 s.
+    assert s["kv_tokens_frac_mean"] == pytest.approx((0.1 + 0.9) / 6)
+    assert s["kv_free_frac_mean"] == pytest.approx((0.6 + 3 * 0.5 + 2 * 1.0) / 6)
     peak = [s[f"kv_{p}_frac_peak"] for p in ("tokens", "future", "internal", "external", "free")]
     assert peak == pytest.approx([0.3, 0.1, 0.1, 0.0, 0.5])
-    assert s["kv_utilisation"] == pytest.approx(40 / 85)
-    assert (s["blocks_used_peak"], s["blocks_used_mean"]) == (6, pytest.approx(10 / 3))
-    assert s["external_fragmentation_mean"] == pytest.approx(0.5 / 3)
-    assert s["spec_acceptance_rate"] == pytest.approx(3 / 8)
-    assert s["spec_accepted_per_step"] == pytest.approx(3 / 2)
+    assert s["kv_utilisation"] == pytest.approx((10 + 3 * 30) / (35 + 3 * 50))
+    assert (s["blocks_used_peak"], s["blocks_used_mean"]) == (6, pytest.approx((4 + 18) / 6))
+    assert s["external_fragmentation_mean"] == pytest.approx(1.5 / 6)
+    # Leviathan et al.: 6 accepted, 2 verifications stopped at a rejection -> alpha 6/8;
+    # 3 verifications gave 6 + 3 tokens; vLLM's draft acceptance: 6 of 12 proposed.
+    assert s["spec_acceptance_rate"] == pytest.approx(0.75)
+    assert s["spec_tokens_per_verification"] == pytest.approx(3.0)
+    assert s["spec_draft_acceptance_rate"] == pytest.approx(0.5)
     assert (s["mlx_peak_bytes"], s["num_steps"]) == (300, 3)
+
+
+def test_itl_is_per_chunk_as_vllm_bench_serve():
+    """Tokens one step produced together (accepted drafts) arrive as one chunk: one ITL."""
+    req = requests_frame([_request("a", 0.0, [1.0, 2.0, 2.0, 2.0, 4.0])])
+    s = summarize(req, steps_frame([]), clock="virtual")
+    assert s["itl_mean"] == pytest.approx(1.5) and s["itl_p50"] == pytest.approx(1.5)
+    assert s["tpot_mean"] == pytest.approx(3.0 / 4)  # TPOT still counts every token
 
 
 def test_empty_run_is_nan_safe():
@@ -150,8 +155,8 @@ def test_parquet_round_trip_and_extra_columns_kept(tmp_path, hand_tables):
     back = requests_frame(pd.read_parquet(tmp_path / "r.parquet"))
     assert back["token_times"].tolist() == requests["token_times"].tolist()
     assert back["abort_reason"].tolist() == [None, None, None, "client"]
-    steps = steps_frame([_step(0, 1, 1, 1, 1, build_time=0.1)])
-    assert list(steps.columns) == [*STEP_COLUMNS, "build_time"]
+    steps = steps_frame([_step(0, 1, 1, 1, 1, kernel_time=0.1)])
+    assert list(steps.columns) == [*STEP_COLUMNS, "kernel_time"]
     assert tuple(back.columns) == REQUEST_COLUMNS
 
 
@@ -180,7 +185,8 @@ def _reference(reqs, steps, clock):
         if r["output_tokens"] > 1:
             series["tpot"].append(tpot)
         for prev, nxt in zip(r["token_times"], r["token_times"][1:], strict=False):
-            series["itl"].append(nxt - prev)
+            if nxt > prev:  # tokens of one step are one chunk
+                series["itl"].append(nxt - prev)
         ok_ttft = math.isnan(r["ttft_slo"]) or ttft <= r["ttft_slo"]
         ok_tpot = math.isnan(r["tpot_slo"]) or tpot <= r["tpot_slo"]
         good += ok_ttft and ok_tpot
@@ -207,25 +213,36 @@ def _reference(reqs, steps, clock):
         allocated = parts["tokens"] + parts["future"] + parts["internal"]
         if allocated > best:
             best, peak = allocated, {p: v / s["slots_total"] for p, v in parts.items()}
+    weights = [s["duration"] for s in steps]
+    time = sum(weights)
+
+    def over_time(xs):
+        return sum(w * x for w, x in zip(weights, xs, strict=True)) / time if time else NAN
+
     for p, xs in fracs.items():
-        out[f"kv_{p}_frac_mean"] = sum(xs) / len(xs)
+        out[f"kv_{p}_frac_mean"] = over_time(xs)
         out[f"kv_{p}_frac_peak"] = peak[p]
-    allocated = sum(s["slots_tokens"] + s["slots_future"] + s["slots_internal"] for s in steps)
-    out["kv_utilisation"] = sum(s["slots_tokens"] for s in steps) / allocated
-    out["blocks_used_peak"] = max(s["blocks_used"] for s in steps)
-    out["blocks_used_mean"] = sum(s["blocks_used"] for s in steps) / len(steps)
-    out["external_fragmentation_mean"] = sum(s["external_fragmentation"] for s in steps) / len(
-        steps
+    allocated = over_time(
+        [s["slots_tokens"] + s["slots_future"] + s["slots_internal"] for s in steps]
     )
+    tokens = over_time([s["slots_tokens"] for s in steps])
+    out["kv_utilisation"] = tokens / allocated if allocated > 0 else NAN
+    out["blocks_used_peak"] = max(s["blocks_used"] for s in steps)
+    out["blocks_used_mean"] = over_time([s["blocks_used"] for s in steps])
+    out["external_fragmentation_mean"] = over_time([s["external_fragmentation"] for s in steps])
     out["prefix_hit_rate"] = sum(r["cached_tokens"] for r in reqs) / sum(
         r["prompt_tokens"] for r in reqs
     )
     out["preemptions"] = sum(r["preemptions"] for r in reqs)
     proposed = sum(s["spec_proposed"] for s in steps)
     accepted = sum(s["spec_accepted"] for s in steps)
-    spec_steps = sum(1 for s in steps if s["spec_proposed"] > 0)
-    out["spec_acceptance_rate"] = accepted / proposed if proposed else NAN
-    out["spec_accepted_per_step"] = accepted / spec_steps if spec_steps else NAN
+    rejected = sum(s["spec_rejected"] for s in steps)
+    verifications = sum(s["spec_verifications"] for s in steps)
+    out["spec_acceptance_rate"] = accepted / (accepted + rejected) if accepted + rejected else NAN
+    out["spec_draft_acceptance_rate"] = accepted / proposed if proposed else NAN
+    out["spec_tokens_per_verification"] = (
+        (accepted + verifications) / verifications if verifications else NAN
+    )
     out["mlx_peak_bytes"] = max(s["mlx_peak_bytes"] for s in steps)
     out.update(num_steps=len(steps), clock=clock)
     return out
@@ -260,6 +277,8 @@ def _random_tables(seed):
         total = rng.randint(64, 512)
         a, b, c, d = sorted(rng.randint(0, total) for _ in range(4))
         proposed = rng.choice([0, rng.randint(1, 8)])
+        verifications = rng.randint(1, proposed) if proposed else 0
+        accepted = rng.randint(0, proposed)
         steps.append(
             _step(
                 i,
@@ -271,8 +290,11 @@ def _random_tables(seed):
                 blocks_used=rng.randint(0, 32),
                 external_fragmentation=rng.random(),
                 mlx_peak_bytes=rng.randint(0, 10**9),
+                duration=rng.choice([rng.uniform(0.001, 2.0), 0.0]),
                 spec_proposed=proposed,
-                spec_accepted=rng.randint(0, proposed),
+                spec_accepted=accepted,
+                spec_rejected=min(verifications, proposed - accepted),
+                spec_verifications=verifications,
             )
         )
     return reqs, steps

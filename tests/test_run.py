@@ -83,7 +83,10 @@ def test_sweep_2x2_and_results_load(kvbench, tmp_path: Path) -> None:
 
 def test_sweep_with_joblib_launcher(kvbench, tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="kvbench[joblib] needed")
-    kvbench("-m", "allocator=free_list,contiguous", "trace.rate=4,16", "hydra/launcher=joblib")
+    proc = kvbench(
+        "-m", "allocator=free_list,contiguous", "trace.rate=4,16", "hydra/launcher=joblib"
+    )  # fmt: skip
+    assert "jobs in parallel" in proc.stdout and "contention" in proc.stdout  # Hydra's log
     table = results.load(tmp_path / "results")
     assert len(table) == 4
     assert sorted(table["trace.rate"]) == [4, 4, 16, 16]
@@ -201,3 +204,65 @@ def test_a_run_that_completes_nothing_says_so_and_fails(kvbench) -> None:
     proc = kvbench("engine.num_blocks=1", check=False)  # no smoke prompt fits in one block
     assert proc.returncode == 1
     assert "kvbench: error: no request completed (6 aborted)" in proc.stderr
+
+
+def test_the_warm_up_leaves_the_measured_engine_clean(compose_cfg, tmp_path: Path) -> None:
+    """The warm-up runs the trace's first prompts on a throwaway engine: the measured radix
+    cache does not hold them, so those requests find no prefix hit (smoke prompts share
+    none), and the first step holds no cached block."""
+    summary = run(compose_cfg(["allocator=radix", "warmup=4"]), tmp_path)
+    requests, steps = results.load_tables(tmp_path)
+    assert summary["warmup_requests"] == 4 and summary["completed"] == 6
+    assert (requests["cached_tokens"] == 0).all()
+    assert steps["blocks_cached"].iloc[0] == 0
+
+
+def test_peak_memory_is_the_runs_own(compose_cfg, tmp_path: Path) -> None:
+    """A small job after a large one in the same process reports its own peak: 2048 blocks
+    of the tiny model are 128 MiB of KV, 64 blocks 4 MiB."""
+    big = run(compose_cfg(["engine.num_blocks=2048", "warmup=0"]), tmp_path / "big")
+    small = run(compose_cfg(["engine.num_blocks=64", "warmup=0"]), tmp_path / "small")
+    assert big["mlx_peak_bytes"] >= 128 * 2**20
+    assert small["mlx_peak_bytes"] < 64 * 2**20
+
+
+def test_a_failed_run_is_marked_failed_and_keeps_its_rows(
+    compose_cfg, tmp_path: Path, monkeypatch
+) -> None:
+    import harness.run
+
+    def fail(engine, trace, **kwargs):
+        engine.add_request("x", trace.requests[0].prompt_token_ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+        raise RuntimeError("the machine fell over")
+
+    monkeypatch.setattr(harness.run, "replay", fail)
+    with pytest.raises(RuntimeError):
+        run(compose_cfg(), tmp_path)
+    assert (tmp_path / results.FAILED_FILE).read_text() == "RuntimeError: the machine fell over\n"
+    assert results.read_summary(tmp_path) is None
+    requests, _ = results.load_tables(tmp_path)
+    assert requests["request_id"].tolist() == ["x"]
+
+
+def test_a_setting_error_marks_the_folder_failed(compose_cfg, tmp_path: Path) -> None:
+    from harness.run import UsageError
+
+    with pytest.raises(UsageError):
+        run(compose_cfg(["trace=file", "trace.path=/no/such.jsonl"]), tmp_path)
+    assert "is not a file" in (tmp_path / results.FAILED_FILE).read_text()
+
+
+def test_summary_reports_the_prefix_bound_at_the_runs_block_size(compose_cfg, tmp_path: Path):
+    """Two users of one 100-token system prompt: the second can reuse 100 tokens, but a
+    cache of 32-token blocks shares only its 3 full blocks, 96 tokens."""
+    from hydra.utils import instantiate
+
+    shape = ["trace.num_system_prompts=1", "trace.users_per_prompt=2"]
+    shape += ["trace.system_prompt_len=100", "engine.block_size=32"]
+    cfg = compose_cfg(["trace=shared_prefix", *shape])
+    summary = run(cfg, tmp_path)
+    total = sum(len(r.prompt_token_ids) for r in instantiate(cfg.trace.generator))
+    assert summary["max_prefix_hit_rate"] == pytest.approx(100 / total)
+    assert summary["max_prefix_hit_rate_blocks"] == pytest.approx(96 / total)

@@ -1,0 +1,54 @@
+"""docs/results.md defines every column and summary key a run writes, and nothing else."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from harness.metrics import REQUEST_COLUMNS, STEP_COLUMNS
+from harness.run import run
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "results.md"
+PIPE = re.compile(r"(?<!\\)\|")  # a cell border; "\|" is a pipe inside a cell
+
+
+def table(section: str) -> list[tuple[str, str, str]]:
+    """(name, unit, definition) of each row under ``## {section}`` whose first cell is `name`."""
+    text = DOC.read_text()
+    heading = f"\n## {section}\n"
+    assert heading in text, f"docs/results.md has no section '## {section}'"
+    body = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in body.splitlines():
+        cells = [c.strip() for c in PIPE.split(line.strip())[1:-1]]
+        if cells and (name := re.fullmatch(r"`([^`]+)`", cells[0])):
+            assert len(cells) == 3, f"## {section}: row {name[1]!r} needs 3 cells, got {cells}"
+            rows.append((name[1], cells[1], cells[2]))
+    return rows
+
+
+def check(section: str, expected) -> None:
+    rows = table(section)
+    names = [name for name, _, _ in rows]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
+    assert not (dup or missing or extra), (
+        f"docs/results.md ## {section}: missing {missing}, extra {extra}, duplicated {dup}"
+    )
+    blank = [name for name, unit, definition in rows if not unit or not definition]
+    assert not blank, f"docs/results.md ## {section}: no unit or definition for {blank}"
+
+
+@pytest.mark.parametrize(
+    ("section", "columns"),
+    [("requests.parquet", REQUEST_COLUMNS), ("steps.parquet", STEP_COLUMNS)],
+)
+def test_every_table_column_is_defined(section: str, columns: tuple[str, ...]) -> None:
+    check(section, columns)
+
+
+def test_every_summary_key_is_defined(compose_cfg, tmp_path: Path) -> None:
+    summary = run(compose_cfg(["warmup=0"]), tmp_path)
+    check("summary.json", summary)

@@ -33,7 +33,7 @@ SETTINGS = {
 # Arguments the harness passes when it builds a part, so the config must not set them.
 RUNTIME_ARGS = {
     "allocator": {"num_blocks", "block_size"},
-    "scheduler": {"allocator"},
+    "scheduler": {"allocator", "max_model_len"},
     "engine": {"model", "allocator", "scheduler"},
 }
 _RESERVED = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -93,7 +93,8 @@ def check_node(node: DictConfig, path: str, runtime: set[str]) -> None:
             continue
         where = f"{path}.{key}"
         if key in runtime:
-            raise ConfigError(f"{where} is set by the harness at run time: remove it")
+            source = "engine." + key if key == "max_model_len" else "the harness at run time"
+            raise ConfigError(f"{where} is set from {source}: remove it")
         if key not in params and not takes_any:
             raise ConfigError(
                 f"{where} is not a parameter of {target}{_did_you_mean(key, settable)}; "
@@ -101,7 +102,7 @@ def check_node(node: DictConfig, path: str, runtime: set[str]) -> None:
             )
         value = _value(node, key, where)
         if isinstance(value, DictConfig) and "_target_" in value:
-            check_node(value, where, set())
+            check_node(value, where, runtime)  # e.g. a base policy gets the same arguments
         elif key in hints and not _matches(value, hints[key]):
             raw = OmegaConf.to_container(node, resolve=False)[key]
             via = f" (from {raw})" if isinstance(raw, str) and "${" in raw else ""

@@ -28,6 +28,8 @@ from harness.sampling import SampleRow, SamplingParams, make_rng, sample
 from harness.speculative import Proposal, Verified, build_proposer, verify
 from schedulers.base import Scheduler, SchedulerOutput
 
+DEFAULT_MAX_MODEL_LEN = 2048  # for a model whose config sets no max_position_embeddings
+
 
 class RequestError(ValueError):
     """A request is malformed; the message names the field and the fix."""
@@ -81,9 +83,22 @@ class LLMEngine:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
+        max_model_len: int | None = None,
         **kwargs,
     ) -> LLMEngine:
-        """Size the arena (from ``num_blocks`` or a byte budget), then build the parts."""
+        """Size the arena (from ``num_blocks`` or a byte budget), then build the parts.
+
+        ``max_model_len`` (prompt + output tokens at most) is the model's, given to the
+        scheduler: at most the model's ``max_position_embeddings``, which is also the default
+        (``DEFAULT_MAX_MODEL_LEN`` when the model sets none), as vLLM derives it."""
+        limit = model.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit or DEFAULT_MAX_MODEL_LEN
+        elif limit is not None and max_model_len > limit:
+            raise ValueError(
+                f"engine.max_model_len={max_model_len} exceeds model {model.name!r}'s "
+                f"max_position_embeddings={limit}: lower it to {limit} or less"
+            )
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("set exactly one of engine.num_blocks and engine.kv_cache_bytes")
         if num_blocks is not None and num_blocks < 1:
@@ -96,7 +111,7 @@ class LLMEngine:
                     f"engine.kv_cache_bytes={kv_cache_bytes} holds no block of {per_block} bytes"
                 )
         alloc = allocator(num_blocks=num_blocks, block_size=block_size)
-        return cls(model, alloc, scheduler(alloc), **kwargs)
+        return cls(model, alloc, scheduler(alloc, max_model_len=max_model_len), **kwargs)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(

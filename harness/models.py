@@ -52,6 +52,7 @@ class LoadedModel:
     dtype: mx.Dtype
     tokenizer: Any = None
     eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int | None = None  # None: the config sets no limit
 
     @property
     def num_params(self) -> int:
@@ -170,5 +171,6 @@ def describe(model: nn.Module, name: str, **extra: Any) -> LoadedModel:
         head_dim=head_dim,
         vocab_size=args.vocab_size,
         dtype=attn.k_proj.weight.dtype,
+        max_position_embeddings=getattr(args, "max_position_embeddings", None),
         **extra,
     )

@@ -86,6 +86,7 @@ def build_engine(
     block_size: int = 16,
     num_blocks: int | None = None,
     kv_cache_bytes: int | None = None,
+    max_model_len: int | None = None,
     clock: Literal["virtual", "wall"] = "virtual",
     seed: int = 0,
 ) -> LLMEngine:
@@ -97,6 +98,7 @@ def build_engine(
         block_size=block_size,
         num_blocks=num_blocks,
         kv_cache_bytes=kv_cache_bytes,
+        max_model_len=max_model_len,
         clock=CLOCKS[clock](),
         seed=seed,
     )

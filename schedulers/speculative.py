@@ -58,13 +58,18 @@ class SpeculativeScheduler:
         *,
         num_draft_tokens: int = 4,
         draft: Callable[..., Any] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise ValueError(
                 f"scheduler.num_draft_tokens={num_draft_tokens!r} is invalid: it must be an "
                 "int >= 1"
             )
-        self.base = base if isinstance(base, Scheduler) else base(allocator)
+        if isinstance(base, Scheduler):
+            self.base = base
+        else:  # built here with what the engine gives the policy
+            limits = {} if max_model_len is None else {"max_model_len": max_model_len}
+            self.base = base(allocator, **limits)
         if self.base.allocator is not allocator:
             raise ValueError(
                 "the base scheduler must be built over the speculative one's allocator"

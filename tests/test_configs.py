@@ -10,12 +10,14 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 
 from allocators.base import BlockAllocator
+from allocators.free_list import FreeListAllocator
 from harness.config import ConfigError, validate
 from harness.engine import LLMEngine
 from harness.models import LoadedModel, random_model
 from harness.run import CONFIG_DIR, UsageError, run
 from harness.traces import Trace, TraceError, load, save
 from schedulers.base import Scheduler
+from schedulers.fcfs import FCFSScheduler
 
 CONF = Path(CONFIG_DIR)
 
@@ -64,6 +66,32 @@ def test_scheduler_options_build(compose_cfg, name: str) -> None:
     # The speculative policy wraps a base Scheduler instead of subclassing one.
     policy = getattr(scheduler, "base", scheduler)
     assert isinstance(policy, Scheduler) and scheduler.allocator is allocator
+
+
+def test_max_model_len_is_the_engines_and_reaches_every_part(compose_cfg, model) -> None:
+    """One setting: the speculative policy's base scheduler and contiguous_max_len's
+    reservation both follow engine.max_model_len (they once failed to compose)."""
+    overrides = ["allocator=contiguous_max_len", "scheduler=speculative"]
+    cfg = compose_cfg([*overrides, "engine.max_model_len=640"])
+    validate(cfg)
+    engine = instantiate(cfg.engine)(model, instantiate(cfg.allocator), instantiate(cfg.scheduler))
+    assert engine.scheduler.base.max_model_len == 640
+    assert engine.allocator.allocate("a", 1) is not None
+    assert engine.allocator.held_slots("a") == 640  # 40 blocks of 16 reserved
+
+
+def test_max_model_len_defaults_to_and_stays_within_the_models_positions() -> None:
+    short = random_model("llama", "tiny", max_position_embeddings=128)
+    assert (
+        LLMEngine.build(
+            short, FreeListAllocator, FCFSScheduler, num_blocks=8
+        ).scheduler.max_model_len
+        == 128
+    )
+    with pytest.raises(
+        ValueError, match=r"engine\.max_model_len=256 exceeds .*max_position_embeddings=128"
+    ):
+        LLMEngine.build(short, FreeListAllocator, FCFSScheduler, num_blocks=8, max_model_len=256)
 
 
 @pytest.mark.parametrize("name", [t for t in options("trace") if t != "file"])
@@ -150,7 +178,8 @@ def test_launcher_configs_name_an_importable_launcher(launcher: str) -> None:
         (["engine.clock=sundial"], r"engine\.clock='sundial' must be one of 'virtual', 'wall'"),
         (["progress=maybe"], r"progress='maybe' must be bool"),
         (["engine.kv_cache_bytes=1000000"], r"set exactly one.*engine\.num_blocks=null"),
-        (["+allocator.num_blocks=4"], r"allocator\.num_blocks is set by the harness"),
+        (["+allocator.num_blocks=4"], r"allocator\.num_blocks is set from the harness"),
+        (["+scheduler.max_model_len=9"], r"scheduler\.max_model_len is set from engine\.max_m"),
         (["model._target_=harness.models.no_such"], r"model\._target_=.*cannot be imported"),
     ],
 )

@@ -24,9 +24,15 @@ from schedulers.fcfs import FCFSScheduler
 PARTS = ("slots_tokens", "slots_future", "slots_internal", "slots_external")
 
 
-def _engine(model, allocator, *, num_blocks, scheduler=None):
-    scheduler = scheduler or partial(FCFSScheduler, max_model_len=256)
-    return LLMEngine.build(model, allocator, scheduler, block_size=16, num_blocks=num_blocks)
+def _engine(model, allocator, *, num_blocks, scheduler=FCFSScheduler, max_model_len=256):
+    return LLMEngine.build(
+        model,
+        allocator,
+        scheduler,
+        block_size=16,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+    )
 
 
 def _run(engine, prompts, max_tokens, *, later=()):
@@ -94,10 +100,10 @@ def test_chunked_prefill_counts_each_chunk_when_it_is_written(model):
     prompt (19 blocks, 304 slots); the request writes 300 + 3 - 1 = 302 slots in all, so 2
     slots are internal throughout. Written after each step: 64, 128, 192, 256, 300 (the last
     chunk, 44 tokens), then one decode slot per step: 301, 302."""
-    scheduler = partial(
-        ChunkedPrefillScheduler, max_chunk=64, max_num_batched_tokens=64, max_model_len=512
+    scheduler = partial(ChunkedPrefillScheduler, max_chunk=64, max_num_batched_tokens=64)
+    engine = _engine(
+        model, FreeListAllocator, num_blocks=64, scheduler=scheduler, max_model_len=512
     )
-    engine = _engine(model, FreeListAllocator, num_blocks=64, scheduler=scheduler)
     rows = _run(engine, [_prompt(300)], 3)
     written = [64, 128, 192, 256, 300, 301, 302]
     assert rows == [(w, 302 - w, 2, 0) for w in written]

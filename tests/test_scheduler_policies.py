@@ -29,13 +29,14 @@ def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(1, 1024, n).tolist()
 
 
-def build(model, policy, *, num_blocks, block_size=4, **kwargs):
+def build(model, policy, *, num_blocks, block_size=4, max_model_len=None, **kwargs):
     return LLMEngine.build(
         model,
         FreeListAllocator,
         partial(policy, **kwargs),
         block_size=block_size,
         num_blocks=num_blocks,
+        max_model_len=max_model_len,
     )
 
 

@@ -29,7 +29,8 @@ PROMPT_LENS = [1, 5, 17, 40, 30, 16]
 MAX_TOKENS = 12
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-LIMITS = dict(max_num_seqs=8, max_model_len=256)
+LIMITS = dict(max_num_seqs=8)
+MAX_MODEL_LEN = 256
 POLICIES = {
     "fcfs": partial(FCFSScheduler, max_num_batched_tokens=256, **LIMITS),
     "fcfs_prefill_first": partial(
@@ -64,7 +65,12 @@ def reference(model, prompts):
 
 def build(model, allocator, policy, *, num_blocks, block_size=BLOCK, **kwargs):
     return LLMEngine.build(
-        model, allocator, partial(policy, **kwargs), block_size=block_size, num_blocks=num_blocks
+        model,
+        allocator,
+        partial(policy, **kwargs),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=MAX_MODEL_LEN,
     )
 
 

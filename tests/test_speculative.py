@@ -22,6 +22,7 @@ from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import LLMEngine
+from harness.metrics import requests_frame, steps_frame, summarize
 from harness.models import noisy_copy, random_model
 from harness.sampling import SampleRow, SamplingParams, adjust_logits, filtered_probs
 from harness.speculative import Proposal, accept_or_resample, verify
@@ -57,6 +58,7 @@ def spec_engine(
     num_blocks=256,
     max_num_seqs=8,
     policy=FCFSScheduler,
+    max_model_len=None,
     **base,
 ):
     scheduler = partial(
@@ -66,7 +68,12 @@ def spec_engine(
         draft=draft,
     )
     return LLMEngine.build(
-        model, allocator, scheduler, block_size=block_size, num_blocks=num_blocks
+        model,
+        allocator,
+        scheduler,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
     )
 
 
@@ -160,6 +167,22 @@ def test_exact_draft_accepts_everything(model, prompts):
     assert all(r["spec_accepted"] == r["spec_proposed"] == 6 * k for r in engine.recorder.requests)
 
 
+@pytest.mark.parametrize("batch", [1, 6])
+def test_speculative_figures_are_per_sequence_verification(model, prompts, batch):
+    """Leviathan et al.: an exact draft has alpha = 1 and every verification yields k + 1 = 5
+    tokens, at batch 1 as at batch 6 (a per-step sum would grow with the batch). The 5 tokens
+    of a verification arrive together: one chunk, one ITL, as vLLM's bench serve streams."""
+    engine = spec_engine(model, draft=partial(noisy_copy, scale=0.0), k=4, max_num_seqs=batch)
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=31, ignore_eos=True))
+    requests, steps = engine.recorder.requests, engine.recorder.steps
+    s = summarize(requests_frame(requests), steps_frame(steps), clock="virtual")
+    assert s["spec_acceptance_rate"] == 1.0 and s["spec_draft_acceptance_rate"] == 1.0
+    assert s["spec_tokens_per_verification"] == 5.0
+    # 31 tokens: 1 from the prefill, then 6 chunks of 5: 6 gaps per request.
+    assert all(len(np.unique(r["token_times"])) == 7 for r in requests)
+    assert sum(r["spec_verifications"] for r in steps) == 6 * len(prompts)
+
+
 def test_sampling_with_an_exact_draft_accepts_everything(model, prompts):
     engine = spec_engine(model, draft=partial(noisy_copy, scale=0.0))
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=3)
@@ -185,13 +208,18 @@ def test_stops_inside_accepted_drafts_drop_what_follows(model, prompts):
 
 
 def test_model_length_limit_holds_with_drafts(model, prompts):
-    limits = dict(max_model_len=70, max_num_batched_tokens=128)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     plain = LLMEngine.build(
-        model, FreeListAllocator, partial(FCFSScheduler, **limits), block_size=16, num_blocks=64
+        model,
+        FreeListAllocator,
+        partial(FCFSScheduler, max_num_batched_tokens=128),
+        block_size=16,
+        num_blocks=64,
+        max_model_len=70,
     )
     expected = tokens(plain.generate(prompts, params))
-    engine = spec_engine(model, draft=partial(noisy_copy, scale=0.0), k=8, **limits)
+    draft = partial(noisy_copy, scale=0.0)
+    engine = spec_engine(model, draft=draft, k=8, max_model_len=70, max_num_batched_tokens=128)
     assert tokens(engine.generate(prompts, params)) == expected
     assert [len(p) + len(t) for p, t in zip(prompts, expected, strict=True)] == [
         65,

@@ -59,7 +59,8 @@ class Scheduler(ABC):
 
     Args:
         max_num_seqs: running sequences at most.
-        max_num_batched_tokens: new tokens per step at most (the token budget).
+        max_num_batched_tokens: new tokens per step at most (the token budget); None, as
+            vLLM: 2048 when the policy chunks prefills, else max(max_model_len, 2048).
         max_model_len: prompt + output tokens at most; longer prompts are rejected. A
             sequence stops at ``max_seq_len``: this or what one sequence can hold in the arena.
         watermark: fraction of the arena's blocks kept free for running sequences' growth
@@ -80,7 +81,7 @@ class Scheduler(ABC):
         allocator: BlockAllocator,
         *,
         max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int = 2048,
         watermark: float = 0.0,
         min_batch_size: int = 1,
@@ -88,6 +89,8 @@ class Scheduler(ABC):
         preemption_mode: str = "recompute",
         swap_blocks: int | None = None,
     ) -> None:
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if self.chunked_prefill else max(max_model_len, 2048)
         for name, value in [
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),

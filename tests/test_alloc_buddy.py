@@ -115,3 +115,12 @@ def test_a_sequence_of_no_tokens_finds_every_free_block_usable() -> None:
     alloc = BuddyAllocator(num_blocks=24, block_size=1)  # free: 16 at 0, 8 at 16
     assert alloc.allocate("z", 0) is NO_COPIES
     assert alloc.unusable_free_blocks(0) == 0
+
+
+def test_an_idle_arena_of_192_blocks_has_no_external_fragmentation() -> None:
+    """192 = 128 + 64: two free regions, but any request of up to 64 blocks fits one of
+    them (the old 1 - largest run / free measure said 0.333)."""
+    alloc = BuddyAllocator(num_blocks=192, block_size=16)
+    assert alloc.unusable_free_blocks(16) == 0
+    assert alloc.unusable_free_blocks(64 * 16) == 0
+    assert alloc.unusable_free_blocks(65 * 16) == 64  # needs the 128 region: the 64 cannot

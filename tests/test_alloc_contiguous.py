@@ -86,6 +86,19 @@ def test_unusable_free_blocks_are_those_in_runs_too_short() -> None:
     assert ContiguousAllocator(num_blocks=4, block_size=1).unusable_free_blocks(4) == 0
 
 
+def test_four_free_holes_that_each_fit_the_next_request_are_not_fragmentation() -> None:
+    """Holes of 4 blocks at 4, 12, 20, 28 (the old 1 - largest run / free measure said 0.75
+    of them were fragmented): a 4-block request fits any, a 5-block one none."""
+    alloc = ContiguousAllocator(num_blocks=32, block_size=1)
+    for i in range(8):
+        alloc.allocate(f"s{i}", 4)
+    for i in (1, 3, 5, 7):
+        alloc.free(f"s{i}")
+    assert alloc.num_free_blocks() == 16
+    assert alloc.unusable_free_blocks(4) == 0
+    assert alloc.unusable_free_blocks(5) == 16
+
+
 def test_unusable_free_blocks_count_the_max_len_reservation() -> None:
     alloc = ContiguousAllocator(num_blocks=8, block_size=1, reserve="max_len", max_len=3)
     alloc.allocate("a", 1)

@@ -111,6 +111,15 @@ def test_chunked_prefill_counts_each_chunk_when_it_is_written(model):
     assert split == [(64, 0), (64, 0), (64, 0), (64, 0), (44, 0), (0, 1), (0, 1)]
 
 
+def test_a_one_token_prompt_chunk_is_prefill_not_decode(model):
+    """A 65-token prompt in 64-token chunks ends with a 1-token chunk: still prefill."""
+    scheduler = partial(ChunkedPrefillScheduler, max_chunk=64, max_num_batched_tokens=64)
+    engine = _engine(model, FreeListAllocator, num_blocks=64, scheduler=scheduler)
+    _run(engine, [_prompt(65)], 2)
+    split = [(r["prefill_tokens"], r["decode_tokens"]) for r in engine.recorder.steps]
+    assert split == [(64, 0), (1, 0), (0, 1)]
+
+
 def test_radix_counts_a_shared_block_once(model):
     """A (prompt 40, max_tokens 4) runs; B (A's first 32 tokens + 8 of its own) arrives at
     step 1 and shares A's two full blocks. Step 1: A has written 41, B 40 of which 32 are

@@ -1,9 +1,12 @@
 """Runs an unmodified mlx_lm model over the KV arena: one step's batched forward.
 
-A step's rows are split into two padded batches: decodes (one token each, no padding) and
-prefill chunks (right-padded to the longest chunk). Mixing them in one padded batch would
-pad every decode to the chunk length and multiply the MLP work by it. Both forwards are
-built lazily and evaluated together, so MLX sees one graph per step.
+An mlx_lm model takes a rectangular batch: every row is padded to the longest row's length
+(queries) and context (keys read). One padded batch of a mixed step would make every row
+pay for the longest: a 1024-token prompt beside seven 16-token ones cost 8.2x the parts
+alone, one 3,000-token context beside 31 short decodes 9.4x. So a step's rows are split into
+groups of similar shape (``group_rows``), each a padded batch of its own; all groups are
+built lazily and evaluated together, so MLX sees one graph per step. A group costs a pass
+over the weights, so rows share one unless padding them together costs more than that.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class ModelRunner:
         self.loaded = loaded
         self.arena = arena
         self.body, self.head = _split_head(loaded.model)
+        # One key read by one query, in units of one token through the weights: attention
+        # takes ~4 flops per hidden unit per key, the layers' matmuls ~24 per hidden unit^2.
+        self.key_cost = 1.0 / (KEYS_PER_TOKEN_COST * loaded.model.args.hidden_size)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         self.arena.copy_blocks(copies)
@@ -58,14 +64,11 @@ class ModelRunner:
         ``overlap`` is called while MLX computes (bookkeeping that does not need the result).
         """
         t0 = time.perf_counter()
-        groups = [
-            [i for i, r in enumerate(rows) if len(r.tokens) == 1],
-            [i for i, r in enumerate(rows) if len(r.tokens) > 1],
-        ]
-        plans = [self._plan([rows[i] for i in g]) for g in groups if g]
+        groups = group_rows(rows, self.key_cost)
+        plans = [self._plan([rows[i] for i in g]) for g in groups]
         t1 = time.perf_counter()
         outputs = [self._run(*plan) for plan in plans]
-        order = [i for g in groups if g for i in g]
+        order = [i for g in groups for i in g]
         logits = None
         parts = [o for o in outputs if o is not None]
         if parts:
@@ -110,6 +113,43 @@ class ModelRunner:
         # The LM head only where logits are needed: over every prompt position it costs
         # about a third of prefill time on this model size.
         return self.head(flat[mx.array(picks, dtype=mx.int32)])
+
+
+KEYS_PER_TOKEN_COST = 4  # keys per query that cost as much as the query's token: x hidden
+GROUP_COST = 16  # a group's own cost (a pass over the weights, graph building), in tokens
+
+
+def group_rows(rows: Sequence[Row], key_cost: float) -> list[list[int]]:
+    """Split rows (indices) into padded batches whose total estimated cost is low.
+
+    A padded batch of n rows, the longest Q tokens and the longest context C, costs
+    ``GROUP_COST + n * Q * (1 + C * key_cost)`` (in tokens through the weights). Rows are
+    taken in order of length then context, and a row joins the current group unless running
+    it as a group of its own would cost less than the padding it adds there.
+    """
+
+    def cost(n: int, q: int, c: int) -> float:
+        return GROUP_COST + n * q * (1.0 + c * key_cost)
+
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i].tokens), _end(rows[i])))
+    groups: list[list[int]] = []
+    q = c = 0
+    for i in order:
+        qi, ci = len(rows[i].tokens), _end(rows[i])
+        if groups:
+            n = len(groups[-1])
+            joined = cost(n + 1, max(q, qi), max(c, ci))
+            if joined <= cost(n, q, c) + cost(1, qi, ci):
+                groups[-1].append(i)
+                q, c = max(q, qi), max(c, ci)
+                continue
+        groups.append([i])
+        q, c = qi, ci
+    return groups
+
+
+def _end(row: Row) -> int:
+    return row.start + len(row.tokens)
 
 
 def _regroup(rows: Sequence[Row], order: list[int]) -> list[int]:

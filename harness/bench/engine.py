@@ -1,11 +1,18 @@
 """``python -m harness.bench engine``: LLMEngine against mlx_lm's BatchGenerator.
 
-One process, one random model, one workload (B prompts of P tokens, G new tokens each,
-greedy, all arriving at once): mlx_lm's BatchGenerator, then LLMEngine with each allocator.
-Prefill tokens/s = B*P / time until every sequence has its first token; decode tokens/s =
-B*(G-1) / the time after that. "outside fwd" is the share of the engine's decode step time
-spent outside the model forward (scheduling, allocation, index building, sampling,
-bookkeeping); the paged gather runs inside the forward, in the attention layers.
+One process, one random model, greedy, every request arriving at once; mlx_lm's
+BatchGenerator, then LLMEngine with each allocator, side by side. Two workloads:
+
+    uniform  B prompts of P tokens, G new tokens each. Prefill tokens/s = B*P / time until
+             every sequence has its first token; decode tokens/s = B*(G-1) / the time after.
+    mixed    N requests of ShareGPT-like lengths (prompt lognormal median 120, sigma 1,
+             clipped to 4..1536; output lognormal median 100, sigma 0.8, clipped to 2..512),
+             at most B running at once. Total tokens/s = (prompt + output tokens) / time.
+             Uniform lengths hide padding; this row shows it.
+
+"outside fwd" is the share of the engine's step time spent outside the model forward
+(scheduling, allocation, index building, sampling, bookkeeping); the paged gather runs
+inside the forward, in the attention layers.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness import blas
+from harness.distributions import LogNormal
 from harness.engine import LLMEngine
 from harness.models import LoadedModel, random_model
 from harness.sampling import SamplingParams
@@ -36,15 +44,18 @@ ALLOCATORS = {
 }
 
 
-def run_batch_generator(loaded: LoadedModel, prompts: list[list[int]], new: int):
+def run_batch_generator(
+    loaded: LoadedModel, prompts: list[list[int]], new: list[int], batch: int
+) -> tuple[float, float, None]:
+    """(seconds until every request has a token, seconds after that, None)."""
     gen = BatchGenerator(
         loaded.model,
-        max_tokens=new,
-        completion_batch_size=len(prompts),
-        prefill_batch_size=min(len(prompts), 8),
+        max_tokens=max(new),
+        completion_batch_size=batch,
+        prefill_batch_size=min(batch, 8),
     )
     start = time.perf_counter()
-    gen.insert(prompts)
+    gen.insert(prompts, max_tokens=list(new))
     counts = [0] * len(prompts)
     first_all = None
     remaining = len(prompts)
@@ -57,28 +68,36 @@ def run_batch_generator(loaded: LoadedModel, prompts: list[list[int]], new: int)
             first_all = time.perf_counter()
     end = time.perf_counter()
     gen.close()
-    assert counts == [new] * len(prompts), counts
+    assert counts == list(new), counts
     return first_all - start, end - first_all, None
 
 
-def run_engine(loaded: LoadedModel, allocator, prompts: list[list[int]], new: int, block_size: int):
-    batch = len(prompts)
-    need = batch * -(-(len(prompts[0]) + new) // block_size)
+def run_engine(
+    loaded: LoadedModel,
+    allocator,
+    prompts: list[list[int]],
+    new: list[int],
+    batch: int,
+    block_size: int,
+) -> tuple[float, float, float]:
+    """(seconds until every request has a token, seconds after, share outside the forward)."""
+    longest = max(len(p) + n for p, n in zip(prompts, new, strict=True))
+    need = sum(-(-(len(p) + n) // block_size) for p, n in zip(prompts, new, strict=True))
     engine = LLMEngine.build(
         loaded,
         allocator,
         partial(
             FCFSScheduler,
             max_num_seqs=batch,
-            max_num_batched_tokens=max(2048, batch * len(prompts[0])),
+            max_num_batched_tokens=max(2048, sum(len(p) for p in prompts)),
         ),
         block_size=block_size,
         num_blocks=2 * need + 16,  # slack so region allocators grow without preempting
+        max_model_len=longest,
     )
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+    for i, (p, n) in enumerate(zip(prompts, new, strict=True)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     first_all = None
     while engine.has_unfinished_requests():
         engine.step()
@@ -86,10 +105,11 @@ def run_engine(loaded: LoadedModel, allocator, prompts: list[list[int]], new: in
             first_all = time.perf_counter()
             first_step = len(engine.recorder.steps)
     end = time.perf_counter()
-    decode = engine.recorder.steps[first_step:]
-    total = sum(s["duration"] for s in decode)
-    outside = 1 - sum(s["forward_time"] for s in decode) / total
-    assert all(r["output_tokens"] == new for r in engine.recorder.requests)
+    steps = engine.recorder.steps[first_step:] or engine.recorder.steps
+    total = sum(s["duration"] for s in steps)
+    outside = 1 - sum(s["forward_time"] for s in steps) / total
+    got = {r["request_id"]: r["output_tokens"] for r in engine.recorder.requests}
+    assert [got[str(i)] for i in range(len(prompts))] == list(new)
     return first_all - start, end - first_all, outside
 
 
@@ -97,54 +117,91 @@ def _live(engine: LLMEngine):
     return list(engine.scheduler.running) + list(engine.scheduler.waiting)
 
 
+def mixed_workload(vocab: int, num_requests: int, seed: int) -> tuple[list, list[int]]:
+    """ShareGPT-like prompts and output lengths (the module docstring's distributions)."""
+    rng = np.random.default_rng(seed)
+    plens = LogNormal(median=120, sigma=1.0, min=4, max=1536).sample(num_requests, rng)
+    olens = LogNormal(median=100, sigma=0.8, min=2, max=512).sample(num_requests, rng)
+    prompts = [rng.integers(1, vocab, int(n)).tolist() for n in plens]
+    return prompts, [int(n) for n in olens]
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m harness.bench engine")
-    parser.add_argument("--sizes", default="tiny,small")
-    parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(prog="python -m harness.bench engine", description=__doc__)
+    parser.add_argument("--sizes", default="tiny,small", help="random model sizes, comma list")
+    parser.add_argument("--workloads", default="uniform,mixed", help="uniform and/or mixed")
+    parser.add_argument("--batches", default="1,8,32", help="uniform: batch sizes, comma list")
+    parser.add_argument("--prompt", type=int, default=128, help="uniform: prompt tokens")
+    parser.add_argument("--new", type=int, default=128, help="uniform: new tokens per request")
+    parser.add_argument("--requests", type=int, default=32, help="mixed: number of requests")
+    parser.add_argument("--mixed-batch", type=int, default=32, help="mixed: most running at once")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size (tokens)")
+    parser.add_argument("--seed", type=int, default=0, help="model weights and workload seed")
     args = parser.parse_args(argv)
     info = blas.info()
     print(f"mlx {mx.__version__}, device {mx.default_device()}, BLAS {info['blas']}")
     print(
-        f"prompt {args.prompt}, new tokens {args.new}, block size {args.block_size}, "
-        f"greedy, seed {args.seed}; ratio = engine / BatchGenerator"
+        f"block size {args.block_size}, greedy, seed {args.seed}; ratio = system / BatchGenerator"
     )
+    workloads = args.workloads.split(",")
+    for size in args.sizes.split(","):
+        loaded = random_model("llama", size, seed=args.seed)
+        rng = np.random.default_rng(args.seed)
+        warm = [rng.integers(1, loaded.vocab_size, 16).tolist()]
+        # Warm up both paths (first-call allocations, thread pools).
+        run_batch_generator(loaded, warm, [4], 1)
+        run_engine(loaded, FreeListAllocator, warm, [4], 1, args.block_size)
+        if "uniform" in workloads:
+            _uniform(loaded, size, rng, args)
+        if "mixed" in workloads:
+            _mixed(loaded, size, args)
+
+
+def _systems(loaded, prompts, new, batch, block_size):
+    yield "BatchGenerator", partial(run_batch_generator, loaded, prompts, new, batch)
+    for name, cls in ALLOCATORS.items():
+        yield f"LLMEngine/{name}", partial(run_engine, loaded, cls, prompts, new, batch, block_size)
+
+
+def _uniform(loaded, size, rng, args) -> None:
+    print(f"\nuniform: prompt {args.prompt}, new tokens {args.new}")
     header = (
         f"{'model':6} {'batch':>5} {'system':18} {'prefill tok/s':>13} {'decode tok/s':>12} "
         f"{'prefill ratio':>13} {'decode ratio':>12} {'outside fwd':>11}"
     )
     print(header)
     print("-" * len(header))
-    for size in args.sizes.split(","):
-        loaded = random_model("llama", size, seed=args.seed)
-        rng = np.random.default_rng(args.seed)
-        for batch in [int(b) for b in args.batches.split(",")]:
-            prompts = [
-                rng.integers(1, loaded.vocab_size, args.prompt).tolist() for _ in range(batch)
-            ]
-            # Warm up both paths (first-call compilation, allocator caches).
-            run_batch_generator(loaded, prompts[:1], 4)
-            run_engine(loaded, FreeListAllocator, prompts[:1], 4, args.block_size)
-            systems = [("BatchGenerator", partial(run_batch_generator, loaded, prompts, args.new))]
-            systems += [
-                (
-                    f"LLMEngine/{name}",
-                    partial(run_engine, loaded, cls, prompts, args.new, args.block_size),
-                )
-                for name, cls in ALLOCATORS.items()
-            ]
-            base = None
-            for name, run in systems:
-                prefill_s, decode_s, outside = run()
-                prefill = batch * args.prompt / prefill_s
-                decode = batch * (args.new - 1) / decode_s
-                base = base or (prefill, decode)
-                share = "" if outside is None else f"{100 * outside:10.1f}%"
-                print(
-                    f"{size:6} {batch:5d} {name:18} {prefill:13.0f} {decode:12.0f} "
-                    f"{prefill / base[0]:13.2f} {decode / base[1]:12.2f} {share:>11}",
-                    flush=True,
-                )
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = [rng.integers(1, loaded.vocab_size, args.prompt).tolist() for _ in range(batch)]
+        base = None
+        for name, run in _systems(loaded, prompts, [args.new] * batch, batch, args.block_size):
+            prefill_s, decode_s, outside = run()
+            prefill = batch * args.prompt / prefill_s
+            decode = batch * (args.new - 1) / decode_s
+            base = base or (prefill, decode)
+            share = "" if outside is None else f"{100 * outside:10.1f}%"
+            print(
+                f"{size:6} {batch:5d} {name:18} {prefill:13.0f} {decode:12.0f} "
+                f"{prefill / base[0]:13.2f} {decode / base[1]:12.2f} {share:>11}",
+                flush=True,
+            )
+
+
+def _mixed(loaded, size, args) -> None:
+    prompts, new = mixed_workload(loaded.vocab_size, args.requests, args.seed)
+    tokens = sum(len(p) for p in prompts) + sum(new)
+    print(
+        f"\nmixed: {args.requests} requests, at most {args.mixed_batch} at once, prompt "
+        f"tokens {sum(len(p) for p in prompts)} (max {max(len(p) for p in prompts)}), output "
+        f"tokens {sum(new)} (max {max(new)})"
+    )
+    header = f"{'model':6} {'system':18} {'total tok/s':>11} {'ratio':>7} {'outside fwd':>11}"
+    print(header)
+    print("-" * len(header))
+    base = None
+    for name, run in _systems(loaded, prompts, new, args.mixed_batch, args.block_size):
+        first_s, rest_s, outside = run()
+        rate = tokens / (first_s + rest_s)
+        base = base or rate
+        share = "" if outside is None else f"{100 * outside:10.1f}%"
+        print(f"{size:6} {name:18} {rate:11.0f} {rate / base:7.2f} {share:>11}", flush=True)

@@ -1,0 +1,83 @@
+"""``python -m harness.bench padding``: does a step cost the sum of its rows' costs?
+
+Two mixed batches, each timed beside its parts run alone (same runner, same arena, one
+process; each figure the median of ``--repeats`` synchronised forwards after a warm-up):
+
+    prefill  one 1024-token prompt + seven 16-token prompts   parts: the long one; the seven
+    decode   31 rows at context 64 + one row at context 3000   parts: the 31; the long one
+
+ratio = mixed / (sum of the parts): 1.0 means no row pays for another's length or context.
+A padded batch pays the longest row's length (prefill) or context (decode) for every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from harness.kv_cache import KVArena
+from harness.model_runner import ModelRunner, Row
+from harness.models import random_model
+
+BLOCK_SIZE = 16
+
+
+def _rows(specs: list[tuple[int, int]], rng: np.random.Generator, vocab: int) -> list[Row]:
+    """Rows computing ``n`` tokens after ``context`` cached ones, on disjoint blocks."""
+    rows, next_block = [], 0
+    for n, context in specs:
+        blocks = -(-(context + n) // BLOCK_SIZE)
+        table = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        rows.append(Row(rng.integers(0, vocab, n).tolist(), context, table))
+    return rows
+
+
+def _time(runner: ModelRunner, batches: list[list[Row]], repeats: int) -> list[float]:
+    """Median seconds of one synchronised forward of each batch, timed in interleaved rounds
+    (so drifting machine load hits all alike), after a warm-up round."""
+    times: list[list[float]] = [[] for _ in batches]
+    for round_ in range(repeats + 1):
+        for rows, spent in zip(batches, times, strict=True):
+            start = time.perf_counter()
+            runner.forward(rows)
+            if round_:  # round 0 is the warm-up: first-time allocations are not the cost
+                spent.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+CASES = {
+    "prefill": ([(1024, 0)], [(16, 0)] * 7),
+    "decode": ([(1, 63)] * 31, [(1, 2999)]),
+}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench padding", description=__doc__)
+    parser.add_argument("--size", default="tiny", help="random model size (tiny | small)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed forwards per figure")
+    args = parser.parse_args(argv)
+    loaded = random_model("llama", args.size, seed=0)
+    arena = KVArena(
+        num_layers=loaded.num_layers,
+        num_blocks=512,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=loaded.num_kv_heads,
+        head_dim=loaded.head_dim,
+        dtype=loaded.dtype,
+    )
+    runner = ModelRunner(loaded, arena)
+    rng = np.random.default_rng(0)
+    print(f"model {loaded.name}, block size {BLOCK_SIZE}, median of {args.repeats}")
+    print(f"{'case':<8} {'part A ms':>10} {'part B ms':>10} {'mixed ms':>10} {'ratio':>7}")
+    for case, (a, b) in CASES.items():
+        rows = _rows(a + b, rng, loaded.vocab_size)
+        part_a, part_b, mixed = _time(runner, [rows[: len(a)], rows[len(a) :], rows], args.repeats)
+        ratio = mixed / (part_a + part_b)
+        print(
+            f"{case:<8} {part_a * 1e3:>10.1f} {part_b * 1e3:>10.1f} {mixed * 1e3:>10.1f} "
+            f"{ratio:>7.2f}"
+        )

@@ -241,10 +241,10 @@ def format_table(results: list[Result]) -> str:
 def main(argv: list[str]) -> None:
     """Parse ``argv``, replay the trace against every variant and print the table."""
     parser = argparse.ArgumentParser(prog="python -m harness.bench allocators")
-    parser.add_argument("--sequences", type=int, default=10_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-blocks", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--sequences", type=int, default=10_000, help="sequences in the trace")
+    parser.add_argument("--seed", type=int, default=0, help="trace seed")
+    parser.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the arena")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--concurrency", type=int, default=64, help="target decoding sequences")
     args = parser.parse_args(argv)
     trace = make_trace(args.sequences, args.seed, args.concurrency)

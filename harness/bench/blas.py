@@ -1,4 +1,6 @@
-"""MLX CPU GEMM throughput on the reference BLAS vs MKL: ``python -m harness.bench blas``.
+"""MLX CPU GEMM throughput on the reference BLAS vs MKL.
+
+``python -m harness.bench blas [--trials 5]``
 
 Each configuration runs in its own subprocess, because the BLAS MLX binds to is fixed
 when ``mlx.core`` is imported (see harness.blas): ``KVBENCH_BLAS=reference`` vs the

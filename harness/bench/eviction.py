@@ -124,10 +124,12 @@ def table(name: str, trace: Trace, block_size: int, fractions: list[float]) -> s
 def main(argv: list[str]) -> None:
     """Parse ``argv``, build both traces and print one table per trace."""
     parser = argparse.ArgumentParser(prog="python -m harness.bench eviction")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="seed of both traces")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument(
-        "--fractions", default="0.25,0.5,1", help="budgets as fractions of the working set"
+        "--fractions",
+        default="0.25,0.5,1",
+        help="cache budgets as fractions of the working set, comma-separated",
     )
     args = parser.parse_args(argv)
     fractions = [float(f) for f in args.fractions.split(",")]

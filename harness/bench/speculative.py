@@ -163,9 +163,13 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--size", default="small", help="target random_model size")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per run")
     ap.add_argument("--trials", type=int, default=2, help="runs per configuration (best kept)")
-    ap.add_argument("--ks", default="2,4,8")
-    ap.add_argument("--acceptances", default="0.5,0.8,0.95")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ks", default="2,4,8", help="draft lengths k to try, comma-separated")
+    ap.add_argument(
+        "--acceptances",
+        default="0.5,0.8,0.95",
+        help="acceptances to calibrate the noisy drafts to, comma-separated",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="model and prompt seed")
     args = ap.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
     wanted = [float(a) for a in args.acceptances.split(",")]

@@ -2,7 +2,8 @@
 
 Every run folder (Hydra makes it: ``results/<experiment>/runs/<time>_<hex>`` or
 ``results/<experiment>/multiruns/<sweep_id>/<overrides>``) holds ``.hydra/`` (the resolved
-config and the overrides), ``requests.parquet``, ``steps.parquet`` and ``summary.json``.
+config and the overrides), ``requests.parquet``, ``steps.parquet``, ``vllm_bench.json`` (the
+summary under ``vllm bench serve``'s names, harness.vllm_bench) and ``summary.json``.
 Files are written to a temporary name and renamed (``os.replace``), so a reader never sees
 a half-written file, and ``summary.json`` is written last: a folder with it is a finished run.
 A run that fails writes ``failed.txt`` (the error) instead.
@@ -22,11 +23,13 @@ import pandas as pd
 import yaml
 
 from harness.metrics import requests_frame, steps_frame
+from harness.vllm_bench import vllm_summary
 
 SUMMARY_FILE = "summary.json"
 REQUESTS_FILE = "requests.parquet"
 STEPS_FILE = "steps.parquet"
 FAILED_FILE = "failed.txt"
+VLLM_BENCH_FILE = "vllm_bench.json"
 
 
 def _atomic(path: Path, write: Callable[[str], None]) -> None:
@@ -48,11 +51,21 @@ def write_tables(run_dir: str | os.PathLike, requests: pd.DataFrame, steps: pd.D
     _atomic(run_dir / STEPS_FILE, lambda tmp: steps.to_parquet(tmp, index=False))
 
 
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    text = json.dumps(_nan_to_none(obj), indent=2) + "\n"  # NaN as null: any JSON reader takes it
+    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def write_vllm_bench(run_dir: str | os.PathLike, summary: dict[str, Any]) -> None:
+    """Write ``vllm_bench.json``: ``summary`` under ``vllm bench serve``'s result keys and
+    units (``harness.vllm_bench.vllm_summary``). Written before summary.json."""
+    _write_json(Path(run_dir) / VLLM_BENCH_FILE, vllm_summary(summary))
+
+
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> None:
-    """Write ``summary.json`` atomically (NaN as null, so any JSON reader accepts it); a
-    failure mark left by an earlier attempt in the same folder goes."""
-    text = json.dumps(_nan_to_none(summary), indent=2) + "\n"
-    _atomic(Path(run_dir) / SUMMARY_FILE, lambda tmp: Path(tmp).write_text(text))
+    """Write ``summary.json`` atomically (NaN as null); a failure mark left by an earlier
+    attempt in the same folder goes."""
+    _write_json(Path(run_dir) / SUMMARY_FILE, summary)
     (Path(run_dir) / FAILED_FILE).unlink(missing_ok=True)
 
 

@@ -171,7 +171,8 @@ def run(
         trace_metadata=trace.metadata,
         machine=machine.info(),
     )
-    results.write_summary(out, summary)
+    results.write_vllm_bench(out, summary)
+    results.write_summary(out, summary)  # last: a folder with it is a finished run
     return summary
 
 

@@ -1,12 +1,14 @@
-"""docs/results.md defines every column and summary key a run writes, and nothing else."""
+"""docs/results.md defines every column and key a run writes, and nothing else."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
+from harness import results
 from harness.metrics import REQUEST_COLUMNS, STEP_COLUMNS
 from harness.run import run
 
@@ -49,6 +51,19 @@ def test_every_table_column_is_defined(section: str, columns: tuple[str, ...]) -
     check(section, columns)
 
 
-def test_every_summary_key_is_defined(compose_cfg, tmp_path: Path) -> None:
-    summary = run(compose_cfg(["warmup=0"]), tmp_path)
-    check("summary.json", summary)
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A real tiny run's folder."""
+    from conftest import compose_config
+
+    out = tmp_path_factory.mktemp("run")
+    run(compose_config(["warmup=0"]), out)
+    return out
+
+
+def test_every_summary_key_is_defined(run_dir: Path) -> None:
+    check("summary.json", json.loads((run_dir / results.SUMMARY_FILE).read_text()))
+
+
+def test_every_vllm_bench_key_is_defined(run_dir: Path) -> None:
+    check("vllm_bench.json", json.loads((run_dir / results.VLLM_BENCH_FILE).read_text()))

@@ -38,7 +38,7 @@ def assert_recomputes(run_dir: Path, summary: dict) -> None:
 def test_run_writes_tables_and_summary(compose_cfg, tmp_path: Path) -> None:
     summary = run(compose_cfg(["allocator=radix"]), tmp_path, overrides=["allocator=radix"])
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["requests.parquet", "steps.parquet", "summary.json"]  # no temp files
+    assert names == ["requests.parquet", "steps.parquet", "summary.json", "vllm_bench.json"]
     written = results.read_summary(tmp_path)
     assert set(written) == set(summary)
     assert all(same(written[k], summary[k]) for k in SUMMARY_KEYS)

@@ -92,17 +92,27 @@ def load_tables(run_dir: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]
     return requests, steps
 
 
-def overrides(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """The run's command-line overrides as {key: value} (``.hydra/overrides.yaml``)."""
+def override_items(run_dir: str | os.PathLike) -> list[str]:
+    """The run's command-line overrides as written (``["allocator=radix", "trace.rate=2"]``),
+    from ``.hydra/overrides.yaml``."""
     path = Path(run_dir) / ".hydra" / "overrides.yaml"
     if path.exists():
-        items = yaml.safe_load(path.read_text()) or []
-    else:  # a run made by harness.run.run() without Hydra: the summary keeps them
-        items = (read_summary(run_dir) or {}).get("overrides", [])
+        return [str(item) for item in yaml.safe_load(path.read_text()) or []]
+    # a run made by harness.run.run() without Hydra: the summary keeps them
+    return list((read_summary(run_dir) or {}).get("overrides", []))
+
+
+def override_key(item: str) -> str:
+    """The config key an override sets: ``+engine.seed=3`` -> ``engine.seed``."""
+    return item.partition("=")[0].lstrip("+~")
+
+
+def overrides(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run's command-line overrides as {key: value}, values parsed as YAML."""
     out = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        out[key.lstrip("+~")] = yaml.safe_load(value) if value else None
+    for item in override_items(run_dir):
+        value = item.partition("=")[2]
+        out[override_key(item)] = yaml.safe_load(value) if value else None
     return out
 
 

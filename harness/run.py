@@ -213,7 +213,7 @@ def finished_run(output_dir: str | Path, overrides: Sequence[str], ignore: Seque
         return None
 
     def key(items: Sequence[str]) -> set[str]:
-        return {o for o in items if o.partition("=")[0].lstrip("+~") not in ignore}
+        return {o for o in items if results.override_key(o) not in ignore}
 
     if key(done.get("overrides", [])) != key(overrides):
         raise SweepMismatchError(

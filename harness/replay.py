@@ -12,7 +12,7 @@ from collections import deque
 from tqdm import tqdm
 
 from harness.engine import LLMEngine
-from harness.sampling import SamplingParams
+from harness.engine.sampling import SamplingParams
 from harness.traces import Trace, TraceError, TraceRequest
 
 

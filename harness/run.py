@@ -36,9 +36,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from allocators.base import BlockAllocator
 from harness import machine, results
-from harness.clock import VirtualClock, WallClock
 from harness.config import validate
 from harness.engine import LLMEngine
+from harness.engine.clock import VirtualClock, WallClock
 from harness.metrics import format_summary, requests_frame, steps_frame, summarize
 from harness.models import LoadedModel
 from harness.replay import check_trace, replay, sampling_params

@@ -36,7 +36,6 @@ from abc import ABC, abstractmethod
 from collections import deque
 
 from allocators.base import Allocation, BlockAllocator, blocks_for
-from harness.request import Sequence, Status
 from schedulers.output import (  # noqa: F401  (re-exported: part of the contract)
     Preemption,
     Scheduled,
@@ -44,6 +43,7 @@ from schedulers.output import (  # noqa: F401  (re-exported: part of the contrac
     SwapIn,
     SwapOut,
 )
+from schedulers.request import Request, Status
 
 
 def positive_int(name: str, value: object) -> int:
@@ -129,17 +129,17 @@ class Scheduler(ABC):
         self.max_wait = max_wait
         self.preemption_mode = Preemption(preemption_mode)
         self.swap_blocks = swap_blocks
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
-        self.swapped: list[Sequence] = []  # in swap-out order
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.swapped: list[Request] = []  # in swap-out order
         self.host_blocks: dict[str, int] = {}  # swapped request -> blocks of its host copy
 
     # -- requests in and out -------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str) -> Request | None:
         """Remove a request in any state and free its blocks (the engine drops its host
         copy); None if it is not here."""
         for queue in (self.waiting, self.running, self.swapped):
@@ -151,7 +151,7 @@ class Scheduler(ABC):
                     return seq
         return None
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Request) -> None:
         """A running sequence is done: release its blocks (cached blocks may stay shared)."""
         self.running.remove(seq)
         self.allocator.free(seq.request_id)
@@ -162,7 +162,7 @@ class Scheduler(ABC):
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
-    def next_incoming(self) -> Sequence | None:
+    def next_incoming(self) -> Request | None:
         """The request that comes in next when room allows (the head of the line)."""
         order = self._incoming_order()
         return order[0] if order else None
@@ -196,7 +196,7 @@ class Scheduler(ABC):
         return deadline if now < deadline else None
 
     def _schedule_running(
-        self, out: SchedulerOutput, budget: int, order: list[Sequence]
+        self, out: SchedulerOutput, budget: int, order: list[Request]
     ) -> tuple[int, bool]:
         """Grow running sequences; returns the budget left and whether memory ran out."""
         queue = list(order)
@@ -273,11 +273,11 @@ class Scheduler(ABC):
             budget = self._run(out, seq, n, alloc, budget)
         return budget
 
-    def _decode_blocks(self, seq: Sequence) -> int:
+    def _decode_blocks(self, seq: Request) -> int:
         """Blocks ``seq`` takes to compute one more token."""
         return self.allocator.blocks_needed(seq.request_id, seq.num_computed_tokens + 1)
 
-    def _take(self, seq: Sequence, reserve: int) -> Allocation | None:
+    def _take(self, seq: Request, reserve: int) -> Allocation | None:
         """Blocks for all the tokens of an incoming ``seq`` (its prefix-cache match already
         taken), if ``reserve`` blocks and the watermark stay free.
 
@@ -295,12 +295,12 @@ class Scheduler(ABC):
         return alloc.allocate(rid, whole)
 
     @staticmethod
-    def _run(out: SchedulerOutput, seq: Sequence, n: int, alloc: Allocation, budget: int) -> int:
+    def _run(out: SchedulerOutput, seq: Request, n: int, alloc: Allocation, budget: int) -> int:
         out.copies.extend(alloc.copies)
         out.scheduled.append(Scheduled(seq, n))
         return budget - n
 
-    def _never_fits(self, seq: Sequence) -> str | None:
+    def _never_fits(self, seq: Request) -> str | None:
         if seq.num_tokens > self.max_model_len:
             return f"prompt of {seq.num_tokens} tokens exceeds max_model_len={self.max_model_len}"
         capacity = self.allocator.max_seq_tokens
@@ -311,7 +311,7 @@ class Scheduler(ABC):
             )
         return None
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Request, out: SchedulerOutput) -> None:
         """Take a running sequence off the device, by swap when configured and room allows."""
         self.running.remove(seq)
         seq.preemptions += 1
@@ -338,25 +338,25 @@ class Scheduler(ABC):
 
     # -- policy hooks --------------------------------------------------------------------
     @abstractmethod
-    def _waiting_order(self) -> list[Sequence]:
+    def _waiting_order(self) -> list[Request]:
         """Admission order of the waiting queue."""
 
     @abstractmethod
-    def _victim(self, candidates: list[Sequence]) -> Sequence:
+    def _victim(self, candidates: list[Request]) -> Request:
         """Whom to preempt among running sequences not yet scheduled (and the one asking)."""
 
-    def _incoming_order(self) -> list[Sequence]:
+    def _incoming_order(self) -> list[Request]:
         """Who comes in first: swapped sequences (earliest swapped first), then waiting."""
         return self.swapped + self._waiting_order()
 
-    def _running_order(self) -> list[Sequence]:
+    def _running_order(self) -> list[Request]:
         """Order in which running sequences claim the token budget and blocks."""
         return list(self.running)
 
     def _make_room(self, out: SchedulerOutput) -> None:  # noqa: B027 (optional hook)
         """Preempt running sequences before scheduling (priority preemption); none here."""
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Request, budget: int) -> int:
         """Tokens ``seq`` computes this step: all that remain, if the budget holds them."""
         n = seq.num_uncomputed_tokens
         return n if n <= budget else 0

@@ -19,9 +19,9 @@ prefills never preempt each other mid-prompt.
 from __future__ import annotations
 
 from allocators.base import BlockAllocator
-from harness.request import Sequence
 from schedulers.base import positive_int
 from schedulers.fcfs import FCFSScheduler
+from schedulers.request import Request
 
 
 class ChunkedPrefillScheduler(FCFSScheduler):
@@ -54,10 +54,10 @@ class ChunkedPrefillScheduler(FCFSScheduler):
             )
         self.max_chunk = max_chunk
 
-    def _running_order(self) -> list[Sequence]:
+    def _running_order(self) -> list[Request]:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         return decodes + prefills
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Request, budget: int) -> int:
         return min(seq.num_uncomputed_tokens, budget, self.max_chunk)

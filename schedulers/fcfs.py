@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from allocators.base import BlockAllocator
-from harness.request import Sequence
 from schedulers.base import Scheduler
+from schedulers.request import Request
 
 ORDERS = ("decode_first", "prefill_first")
 
@@ -24,8 +24,8 @@ class FCFSScheduler(Scheduler):
         super().__init__(allocator, **kwargs)
         self.prefill_first = order == "prefill_first"
 
-    def _waiting_order(self) -> list[Sequence]:
+    def _waiting_order(self) -> list[Request]:
         return list(self.waiting)
 
-    def _victim(self, candidates: list[Sequence]) -> Sequence:
+    def _victim(self, candidates: list[Request]) -> Request:
         return max(candidates, key=self.running.index)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from harness.request import Sequence
+from schedulers.request import Request
 
 
 class Preemption(enum.Enum):
@@ -26,7 +26,7 @@ class Scheduled:
     of the ``num_new_tokens`` slots are a draft model's proposals, not yet in ``seq``.
     """
 
-    seq: Sequence
+    seq: Request
     num_new_tokens: int
     num_draft_tokens: int = 0
 
@@ -39,7 +39,7 @@ class SwapOut:
     engine reads them before it applies any block copy, swap-in or forward.
     """
 
-    seq: Sequence
+    seq: Request
     blocks: tuple[int, ...]
 
 
@@ -49,7 +49,7 @@ class SwapIn:
     ``blocks``, then drop the host copy. Host blocks before ``first`` came back from the
     allocator's prefix cache and need no copy."""
 
-    seq: Sequence
+    seq: Request
     blocks: tuple[int, ...]
     first: int = 0
 
@@ -66,8 +66,8 @@ class SchedulerOutput:
     """
 
     scheduled: list[Scheduled] = field(default_factory=list)
-    preempted: list[tuple[Sequence, Preemption]] = field(default_factory=list)
-    rejected: list[tuple[Sequence, str]] = field(default_factory=list)
+    preempted: list[tuple[Request, Preemption]] = field(default_factory=list)
+    rejected: list[tuple[Request, str]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     swapped_out: list[SwapOut] = field(default_factory=list)
     swapped_in: list[SwapIn] = field(default_factory=list)

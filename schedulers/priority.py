@@ -26,8 +26,8 @@ from __future__ import annotations
 import copy
 
 from allocators.base import BlockAllocator
-from harness.request import Sequence, Status
 from schedulers.base import Scheduler, SchedulerOutput
+from schedulers.request import Request, Status
 
 VICTIMS = ("priority", "fcfs", "shortest_remaining", "recompute_cheapest")
 
@@ -53,23 +53,23 @@ class PriorityScheduler(Scheduler):
         self.aging_rate = aging_rate
         self.preempt_lower = preempt_lower
 
-    def rank(self, seq: Sequence) -> tuple[float, float]:
+    def rank(self, seq: Request) -> tuple[float, float]:
         """Sort key: smaller runs first (effective priority up to a shared constant)."""
         return seq.priority + self.aging_rate * seq.arrival_time, seq.arrival_time
 
-    def _waiting_order(self) -> list[Sequence]:
+    def _waiting_order(self) -> list[Request]:
         return sorted(self.waiting, key=self.rank)  # stable: equal keys keep queue order
 
-    def _incoming_order(self) -> list[Sequence]:
+    def _incoming_order(self) -> list[Request]:
         # Swapped first among equals; otherwise a swapped request waits its turn.
         return sorted(self.swapped + list(self.waiting), key=self.rank)
 
-    def _running_order(self) -> list[Sequence]:
+    def _running_order(self) -> list[Request]:
         # The most important grow first, so the least important are still unscheduled (and
         # so can be victims) when blocks run out.
         return sorted(self.running, key=self.rank)
 
-    def _victim(self, candidates: list[Sequence]) -> Sequence:
+    def _victim(self, candidates: list[Request]) -> Request:
         latest = self.running.index
         if self.victim == "priority":
             return max(candidates, key=lambda s: (self.rank(s), latest(s)))
@@ -100,7 +100,7 @@ class PriorityScheduler(Scheduler):
         for victim in order[:k]:
             self._preempt(victim, out)
 
-    def _fits_by_count(self, head: Sequence) -> bool:
+    def _fits_by_count(self, head: Request) -> bool:
         """The cheap test first: ``head`` fits now, the others' decodes counted."""
         alloc, rid = self.allocator, head.request_id
         whole = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
@@ -113,7 +113,7 @@ class PriorityScheduler(Scheduler):
             >= self.watermark_blocks
         )
 
-    def _comes_in(self, head: Sequence, victims: list[Sequence]) -> bool:
+    def _comes_in(self, head: Request, victims: list[Request]) -> bool:
         """Dry run of this step on a copy of the allocator once ``victims`` are freed: the
         others grow first (decode-first), then ``head`` is admitted as ``_bring_in`` would
         (seat, token budget, prefix match, placement, watermark)."""
@@ -141,5 +141,5 @@ class PriorityScheduler(Scheduler):
         )
 
 
-def _remaining(seq: Sequence) -> int:
+def _remaining(seq: Request) -> int:
     return seq.params.max_tokens - seq.num_output_tokens

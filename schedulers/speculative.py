@@ -26,8 +26,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from allocators.base import BlockAllocator
-from harness.request import Sequence
 from schedulers.base import Scheduled, Scheduler, SchedulerOutput
+from schedulers.request import Request
 
 
 @dataclass
@@ -89,16 +89,16 @@ class SpeculativeScheduler:
         return getattr(self.base, name)
 
     # -- requests in and out -------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         self.base.add(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str) -> Request | None:
         seq = self.base.abort(request_id)
         if seq is not None:
             self._release(request_id)
         return seq
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Request) -> None:
         self.base.finish(seq)
         self._release(seq.request_id)
 

@@ -20,11 +20,11 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.clock import WallClock
 from harness.engine import LLMEngine, RequestError
-from harness.kv_cache import KVArena
-from harness.model_runner import ModelRunner, Row
-from harness.sampling import SamplingParams, sample
+from harness.engine.clock import WallClock
+from harness.engine.kv_cache import KVArena
+from harness.engine.model_runner import ModelRunner, Row
+from harness.engine.sampling import SamplingParams, sample
 from schedulers.fcfs import FCFSScheduler
 
 ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAllocator]
@@ -245,7 +245,7 @@ def test_a_token_is_stamped_when_it_exists_after_sampling(model, prompts, monkey
         time.sleep(0.2)
         return sample(*args, **kwargs)
 
-    monkeypatch.setattr("harness.engine.sample", slow)
+    monkeypatch.setattr("harness.engine.llm_engine.sample", slow)
     engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=64)
     engine.add_request("a", prompts[1], dataclasses.replace(GREEDY, max_tokens=1), 0.0)
     engine.step()

@@ -4,7 +4,7 @@ the weights, for the tiny model: a key costs 1 / (4 x 256) of a token, a group 1
 
 from __future__ import annotations
 
-from harness.model_runner import GROUP_COST, Row, group_rows
+from harness.engine.model_runner import GROUP_COST, Row, group_rows
 
 KEY = 1 / 1024
 

@@ -10,8 +10,8 @@ from reference import mlx_lm_tokens
 
 from allocators.free_list import FreeListAllocator
 from harness.engine import LLMEngine
+from harness.engine.sampling import SamplingParams
 from harness.models import random_model
-from harness.sampling import SamplingParams
 from schedulers.fcfs import FCFSScheduler
 
 

@@ -21,8 +21,8 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.request import Sequence
-from harness.sampling import SamplingParams
+from harness.engine.request import Sequence
+from harness.engine.sampling import SamplingParams
 from schedulers.base import Scheduler
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler

@@ -13,9 +13,9 @@ from reference import mlx_lm_tokens
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator
 from harness.engine import LLMEngine
-from harness.kv_cache import KVArena
-from harness.request import Sequence
-from harness.sampling import SamplingParams
+from harness.engine.kv_cache import KVArena
+from harness.engine.request import Sequence
+from harness.engine.sampling import SamplingParams
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler

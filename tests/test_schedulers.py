@@ -18,11 +18,11 @@ from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import LLMEngine
-from harness.request import Status
-from harness.sampling import SamplingParams
+from harness.engine.sampling import SamplingParams
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler
+from schedulers.request import Status
 
 ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAllocator]
 PROMPT_LENS = [1, 5, 17, 40, 30, 16]

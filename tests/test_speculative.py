@@ -22,10 +22,10 @@ from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import LLMEngine
+from harness.engine.sampling import SampleRow, SamplingParams, adjust_logits, filtered_probs
+from harness.engine.speculative import Proposal, accept_or_resample, verify
 from harness.metrics import requests_frame, steps_frame, summarize
 from harness.models import noisy_copy, random_model
-from harness.sampling import SampleRow, SamplingParams, adjust_logits, filtered_probs
-from harness.speculative import Proposal, accept_or_resample, verify
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler

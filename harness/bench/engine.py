@@ -1,4 +1,6 @@
-"""``python -m harness.bench engine``: LLMEngine against mlx_lm's BatchGenerator.
+"""LLMEngine against mlx_lm's BatchGenerator, uniform and mixed lengths, side by side.
+
+``python -m harness.bench engine [--sizes tiny,small] [--workloads uniform,mixed]``
 
 One process, one random model, greedy, every request arriving at once; mlx_lm's
 BatchGenerator, then LLMEngine with each allocator, side by side. Two workloads:
@@ -32,8 +34,8 @@ from allocators.radix import RadixAllocator
 from harness import blas
 from harness.distributions import LogNormal
 from harness.engine import LLMEngine
+from harness.engine.sampling import SamplingParams
 from harness.models import LoadedModel, random_model
-from harness.sampling import SamplingParams
 from schedulers.fcfs import FCFSScheduler
 
 ALLOCATORS = {

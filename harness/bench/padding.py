@@ -1,4 +1,6 @@
-"""``python -m harness.bench padding``: does a step cost the sum of its rows' costs?
+"""Does a step cost the sum of its rows' costs? A mixed batch against its parts alone.
+
+``python -m harness.bench padding [--size tiny] [--repeats 5]``
 
 Two mixed batches, each timed beside its parts run alone (same runner, same arena, one
 process; each figure the median of ``--repeats`` synchronised forwards after a warm-up):
@@ -18,8 +20,8 @@ import time
 
 import numpy as np
 
-from harness.kv_cache import KVArena
-from harness.model_runner import ModelRunner, Row
+from harness.engine.kv_cache import KVArena
+from harness.engine.model_runner import ModelRunner, Row
 from harness.models import random_model
 
 BLOCK_SIZE = 16

@@ -36,9 +36,9 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 
 from allocators.free_list import FreeListAllocator
 from harness.engine import LLMEngine
+from harness.engine.sampling import SamplingParams
+from harness.engine.speculative import random_draft
 from harness.models import LoadedModel, noisy_copy, random_model
-from harness.sampling import SamplingParams
-from harness.speculative import random_draft
 from schedulers.fcfs import FCFSScheduler
 from schedulers.speculative import SpeculativeScheduler
 

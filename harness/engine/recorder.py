@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from allocators.base import BlockAllocator
-from harness.request import Sequence, Status
+from harness.engine.request import Sequence
+from schedulers.request import Status
 
 if TYPE_CHECKING:
     from schedulers.base import Scheduler, SchedulerOutput

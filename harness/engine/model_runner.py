@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from harness.kv_cache import BatchLayout, KVArena, PagedKVCache
+from harness.engine.kv_cache import BatchLayout, KVArena, PagedKVCache
 from harness.models import LoadedModel
 
 

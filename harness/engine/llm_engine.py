@@ -17,16 +17,17 @@ import mlx.core as mx
 import numpy as np
 
 from allocators.base import BlockAllocator
-from harness.clock import Clock, VirtualClock
-from harness.kv_cache import HostBlocks, KVArena
-from harness.model_runner import ModelRunner, Row
+from harness.engine.clock import Clock, VirtualClock
+from harness.engine.kv_cache import HostBlocks, KVArena
+from harness.engine.model_runner import ModelRunner, Row
+from harness.engine.recorder import Recorder
+from harness.engine.request import CompletionOutput, RequestOutput
+from harness.engine.request import Sequence as Seq
+from harness.engine.sampling import SampleRow, SamplingParams, make_rng, sample
+from harness.engine.speculative import Proposal, Verified, build_proposer, verify
 from harness.models import LoadedModel
-from harness.recorder import Recorder
-from harness.request import CompletionOutput, RequestOutput, Status
-from harness.request import Sequence as Seq
-from harness.sampling import SampleRow, SamplingParams, make_rng, sample
-from harness.speculative import Proposal, Verified, build_proposer, verify
 from schedulers.base import Scheduler, SchedulerOutput
+from schedulers.request import Status
 
 DEFAULT_MAX_MODEL_LEN = 2048  # for a model whose config sets no max_position_embeddings
 
@@ -302,7 +303,7 @@ class LLMEngine:
     def _verify(
         self, plan: SchedulerOutput, logits: mx.array, at: dict[Seq, int]
     ) -> list[tuple[Seq, Verified]]:
-        """Accept or reject each sequence's drafts (harness/speculative.py)."""
+        """Accept or reject each sequence's drafts (harness/engine/speculative.py)."""
         table = np.array(logits.astype(mx.float32))
         verified = []
         for seq, i in at.items():

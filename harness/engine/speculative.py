@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from allocators.free_list import FreeListAllocator
-from harness.kv_cache import KVArena
-from harness.model_runner import ModelRunner, Row
+from harness.engine.kv_cache import KVArena
+from harness.engine.model_runner import ModelRunner, Row
+from harness.engine.request import Sequence as Seq
+from harness.engine.sampling import SampleRow, adjust_logits, filtered_probs
 from harness.models import LoadedModel, random_model
-from harness.request import Sequence as Seq
-from harness.sampling import SampleRow, adjust_logits, filtered_probs
 
 # The sampler's view of a sequence with some draft tokens appended (the engine's _sample_row).
 RowFor = Callable[[Seq, Sequence[int]], SampleRow]

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from harness.sampling import SamplingParams
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
+from harness.engine.sampling import SamplingParams
+from schedulers.request import Status
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One request: its tokens, how many have KV in the arena, and its timeline.
+    """One request: its tokens, how many have KV in the arena, and its timeline (the
+    ``schedulers.request.Request`` a policy sees, plus what the engine keeps).
 
     ``token_ids`` is prompt + output. The last sampled token has no KV yet, so a running
     sequence in decode has ``num_computed_tokens == len(token_ids) - 1`` and computes one

@@ -22,7 +22,7 @@ import numpy as np
 
 from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
-from harness.models import random_model
+from harness.models import LoadedModel, random_model
 
 BLOCK_SIZE = 16
 
@@ -57,12 +57,8 @@ CASES = {
 }
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m harness.bench padding", description=__doc__)
-    parser.add_argument("--size", default="tiny", help="random model size (tiny | small)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed forwards per figure")
-    args = parser.parse_args(argv)
-    loaded = random_model("llama", args.size, seed=0)
+def measure(loaded: LoadedModel, repeats: int = 5) -> dict[str, tuple[float, float, float]]:
+    """Each case of ``CASES``: median seconds of (part A alone, part B alone, both mixed)."""
     arena = KVArena(
         num_layers=loaded.num_layers,
         num_blocks=512,
@@ -73,11 +69,23 @@ def main(argv: list[str]) -> None:
     )
     runner = ModelRunner(loaded, arena)
     rng = np.random.default_rng(0)
-    print(f"model {loaded.name}, block size {BLOCK_SIZE}, median of {args.repeats}")
-    print(f"{'case':<8} {'part A ms':>10} {'part B ms':>10} {'mixed ms':>10} {'ratio':>7}")
+    out = {}
     for case, (a, b) in CASES.items():
         rows = _rows(a + b, rng, loaded.vocab_size)
-        part_a, part_b, mixed = _time(runner, [rows[: len(a)], rows[len(a) :], rows], args.repeats)
+        part_a, part_b, mixed = _time(runner, [rows[: len(a)], rows[len(a) :], rows], repeats)
+        out[case] = (part_a, part_b, mixed)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench padding", description=__doc__)
+    parser.add_argument("--size", default="tiny", help="random model size (tiny | small)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed forwards per figure")
+    args = parser.parse_args(argv)
+    loaded = random_model("llama", args.size, seed=0)
+    print(f"model {loaded.name}, block size {BLOCK_SIZE}, median of {args.repeats}")
+    print(f"{'case':<8} {'part A ms':>10} {'part B ms':>10} {'mixed ms':>10} {'ratio':>7}")
+    for case, (part_a, part_b, mixed) in measure(loaded, args.repeats).items():
         ratio = mixed / (part_a + part_b)
         print(
             f"{case:<8} {part_a * 1e3:>10.1f} {part_b * 1e3:>10.1f} {mixed * 1e3:>10.1f} "

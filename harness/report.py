@@ -33,12 +33,12 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from harness import compare, results
+from harness.metrics import KV_PARTS
 
 PROG = "kvbench-report"
 REPORT_FILE = "report.md"
 RATE = "trace.rate"  # the override a load sweep varies (req/s)
-KV_PARTS = ("tokens", "future", "internal", "external", "free")
-KV_NAMES = {
+KV_NAMES = {  # metrics.KV_PARTS as the vLLM paper names them
     "tokens": "token states",
     "future": "future (reservation)",
     "internal": "internal fragmentation",

@@ -1,8 +1,15 @@
 """Sampling parameters (the low-level design seed's fields) and the batched sampler.
 
-Greedy rows are decided by one ``mx.argmax`` over the batch. Rows that sample go through
-numpy with a per-request ``numpy.random.Generator`` seeded from ``SamplingParams.seed``, so
-a request's tokens depend on its own seed only, never on what it was batched with.
+A step samples all its rows at once: penalties and bans, temperature, top-k, top-p and
+min-p are whole-batch array operations (per-row values as vectors), then one inverse-CDF
+draw per row. Randomness stays per request: each sampling row draws its one uniform from
+its own ``numpy.random.Generator`` (seeded from ``SamplingParams.seed``), so a request's
+tokens depend on its seed, never on what it was batched with. Greedy rows without
+penalties, bans or logprobs are one ``mx.argmax``.
+
+The batched math is written once against an array module ``xp``: MLX where it runs on a GPU
+(the logits never leave the device), numpy on MLX's CPU build, where numpy's vectorised
+``exp`` measured 5x faster than MLX's (``python -m harness.bench sampling``).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -108,61 +116,153 @@ def sample(logits: mx.array, rows: Sequence[SampleRow]) -> list[Sampled]:
     simple = all(r.params.greedy and not r.params.penalised and not r.banned for r in rows)
     if simple and not any(r.params.logprobs is not None for r in rows):
         return [Sampled(t) for t in mx.argmax(logits, axis=-1).tolist()]
-    table = np.array(logits.astype(mx.float32))
-    return [_sample_row(table[i], row) for i, row in enumerate(rows)]
-
-
-def _sample_row(logits: np.ndarray, row: SampleRow) -> Sampled:
-    p = row.params
-    logits = adjust_logits(logits, row)
-    if p.greedy:
-        token = int(np.argmax(logits))
-    else:
-        probs = filtered_probs(logits, p)
-        token = int(np.searchsorted(np.cumsum(probs), row.rng.random() * probs.sum(), "right"))
-        token = min(token, len(probs) - 1)
-    if p.logprobs is None:
-        return Sampled(token)
-    logprobs = logits - _logsumexp(logits)
-    top = np.argsort(-logprobs)[: p.logprobs]
-    return Sampled(token, float(logprobs[token]), {int(t): float(logprobs[t]) for t in top})
-
-
-def adjust_logits(logits: np.ndarray, row: SampleRow) -> np.ndarray:
-    """Apply penalties and min_tokens bans (a copy; the input is left alone)."""
-    p = row.params
-    logits = logits.copy()
-    if p.penalised:
-        output = np.asarray(row.token_ids[row.num_prompt_tokens :], dtype=np.int64)
-        counts = np.bincount(output, minlength=logits.shape[0])[: logits.shape[0]]
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        if p.repetition_penalty != 1.0:
-            seen = np.unique(np.asarray(row.token_ids, dtype=np.int64))
-            vals = logits[seen]
-            logits[seen] = np.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+    xp = mx if mx.default_device().type == mx.DeviceType.gpu else np
+    table = logits.astype(mx.float32)
+    adjusted = adjust(table if xp is mx else np.array(table), rows)
+    tokens = [0] * len(rows)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    draw = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if greedy:
+        for i, token in zip(greedy, _to_list(_take(adjusted, greedy).argmax(axis=-1)), strict=True):
+            tokens[i] = token
+    if draw:
+        probs = filtered(_take(adjusted, draw), [rows[i].params for i in draw])
+        uniforms = np.array([rows[i].rng.random() for i in draw], dtype=np.float32)
+        for i, token in zip(draw, _to_list(draw_tokens(probs, uniforms)), strict=True):
+            tokens[i] = token
+    out = []
+    for i, row in enumerate(rows):
+        n = row.params.logprobs
+        if n is None:
+            out.append(Sampled(tokens[i]))
+            continue
+        logprobs = np.asarray(_take(adjusted, [i]), dtype=np.float64)[0]
+        logprobs -= _logsumexp(logprobs)
+        top = np.argsort(-logprobs)[:n]
+        out.append(
+            Sampled(
+                tokens[i], float(logprobs[tokens[i]]), {int(t): float(logprobs[t]) for t in top}
             )
-    if row.banned:
-        logits[list(row.banned)] = -np.inf
+        )
+    return out
+
+
+def adjust(logits, rows: Sequence[SampleRow]):
+    """Penalties (vLLM's: frequency and presence on output tokens, repetition on prompt and
+    output) and min_tokens bans for a batch [len(rows), vocab] of numpy or MLX logits; the
+    input is left alone (a copy is changed, only when there is something to change)."""
+    xp = _xp(logits)
+    if not any(r.params.penalised or r.banned for r in rows):
+        return logits
+    logits = xp.array(logits)  # a copy
+    vocab = logits.shape[-1]
+    penalty, seen, banned = ([], [], []), ([], [], []), ([], [])
+    for b, row in enumerate(rows):
+        p = row.params
+        if p.frequency_penalty or p.presence_penalty:
+            out = np.asarray(row.token_ids[row.num_prompt_tokens :], dtype=np.int64)
+            ids, counts = np.unique(out[out < vocab], return_counts=True)
+            _extend(penalty, b, ids, p.frequency_penalty * counts + p.presence_penalty)
+        if p.repetition_penalty != 1.0:
+            ids = np.unique(np.asarray(row.token_ids, dtype=np.int64))
+            ids = ids[ids < vocab]
+            _extend(seen, b, ids, np.full(ids.size, p.repetition_penalty))
+        if row.banned:
+            banned[0].extend([b] * len(row.banned))
+            banned[1].extend(row.banned)
+    if penalty[0]:
+        r, t = _index(xp, penalty)
+        logits[r, t] = logits[r, t] - xp.array(np.concatenate(penalty[2]), dtype=logits.dtype)
+    if seen[0]:
+        r, t = _index(xp, seen)
+        vals = logits[r, t]
+        rp = xp.array(np.concatenate(seen[2]), dtype=logits.dtype)
+        logits[r, t] = xp.where(vals > 0, vals / rp, vals * rp)
+    if banned[0]:
+        logits[xp.array(banned[0]), xp.array(banned[1])] = -np.inf
     return logits
 
 
-def filtered_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """Temperature, then top-k, top-p and min-p filters; returns unnormalised probabilities."""
-    scaled = logits / p.temperature
-    probs = np.exp(scaled - scaled.max())
-    if 0 < p.top_k < probs.shape[0]:
-        kth = np.partition(probs, -p.top_k)[-p.top_k]
-        probs[probs < kth] = 0.0
-    if p.top_p < 1.0:
-        order = np.argsort(-probs)
-        cum = np.cumsum(probs[order])
-        # keep the smallest head of the sorted distribution whose mass reaches top_p
-        cut = int(np.searchsorted(cum, p.top_p * cum[-1])) + 1
-        probs[order[cut:]] = 0.0
-    if p.min_p > 0:
-        probs[probs < p.min_p * probs.max()] = 0.0
+def filtered(logits, params: Sequence[SamplingParams]):
+    """Temperature, then top-k, top-p and min-p, per row: unnormalised probabilities of a
+    batch [len(params), vocab] of adjusted logits (numpy or MLX). Top-p keeps the smallest
+    head of the sorted distribution whose mass reaches ``top_p`` (ties at its edge kept)."""
+    xp = _xp(logits)
+    vocab = logits.shape[-1]
+    column = partial(_column, xp, logits.dtype)
+    scaled = logits / column([p.temperature for p in params])
+    probs = xp.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        desc = -xp.sort(-probs, axis=-1)
+        kth = xp.take_along_axis(desc, _indices(xp, top_k) - 1, axis=-1)
+        probs = xp.where(probs < kth, 0.0, probs)
+        desc = xp.where(desc < kth, 0.0, desc)
+        cum = xp.cumsum(desc, axis=-1)
+        reach = column(top_p) * cum[:, -1:]
+        edge = xp.minimum((cum < reach).sum(axis=-1, keepdims=True), vocab - 1)
+        cutoff = xp.take_along_axis(desc, edge.astype(xp.int32), axis=-1)
+        # Only rows that filter: with top_p = 1 a tail too small to move the float total
+        # would be cut, and a row's tokens would depend on what it is batched with.
+        cutoff = xp.where(column(top_p) < 1.0, cutoff, 0.0)
+        probs = xp.where(probs < cutoff, 0.0, probs)
+    min_p = [p.min_p for p in params]
+    if max(min_p) > 0:
+        probs = xp.where(probs < column(min_p) * probs.max(axis=-1, keepdims=True), 0.0, probs)
     return probs
+
+
+def draw_tokens(probs, uniforms: np.ndarray):
+    """Inverse-CDF draw per row: the first token whose cumulative mass exceeds ``u x total``."""
+    xp = _xp(probs)
+    cum = xp.cumsum(probs, axis=-1)
+    target = xp.array(uniforms)[:, None] * cum[:, -1:]
+    return xp.minimum((cum <= target).sum(axis=-1), probs.shape[-1] - 1)
+
+
+def adjust_logits(logits: np.ndarray, row: SampleRow) -> np.ndarray:
+    """``adjust`` for one row of numpy logits [vocab]."""
+    return adjust(logits[None], [row])[0]
+
+
+def filtered_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """``filtered`` for one row of numpy logits [vocab]."""
+    return filtered(logits[None], [p])[0]
+
+
+def _xp(array):
+    return mx if isinstance(array, mx.array) else np
+
+
+def _column(xp, dtype, values):
+    """Per-row values as a [rows, 1] column of ``dtype``."""
+    return xp.array(np.asarray(values)[:, None]).astype(dtype)
+
+
+def _indices(xp, values):
+    return xp.array(np.asarray(values, dtype=np.int32)[:, None])
+
+
+def _extend(parts: tuple[list, list, list], row: int, ids: np.ndarray, values: np.ndarray) -> None:
+    parts[0].append(np.full(ids.size, row))
+    parts[1].append(ids)
+    parts[2].append(values)
+
+
+def _index(xp, parts: tuple[list, list, list]):
+    return xp.array(np.concatenate(parts[0])), xp.array(np.concatenate(parts[1]))
+
+
+def _take(array, rows: list[int]):
+    """The batch's ``rows`` (the array itself when that is all of them)."""
+    if len(rows) == array.shape[0]:
+        return array
+    return array[mx.array(rows)] if isinstance(array, mx.array) else array[rows]
+
+
+def _to_list(array) -> list[int]:
+    return [int(t) for t in array.tolist()]
 
 
 def _logsumexp(x: np.ndarray) -> float:

@@ -30,7 +30,7 @@ from allocators.free_list import FreeListAllocator
 from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import SampleRow, adjust_logits, filtered_probs
+from harness.engine.sampling import SampleRow, adjust_logits, draw_tokens, filtered_probs
 from harness.models import LoadedModel, random_model
 
 # The sampler's view of a sequence with some draft tokens appended (the engine's _sample_row).
@@ -200,8 +200,7 @@ def _normalised(probs: np.ndarray) -> np.ndarray:
 
 
 def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
-    token = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), "right"))
-    return min(token, len(probs) - 1)
+    return int(draw_tokens(probs[None], np.array([rng.random()]))[0])
 
 
 def _top_logprobs(logits: np.ndarray, n: int) -> dict[int, float]:

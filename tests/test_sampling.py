@@ -1,0 +1,123 @@
+"""The batched sampler: filters, penalties and the draw against hand-computed values; a
+request's tokens do not depend on its batch; numpy and MLX compute the same; the draws
+follow the filtered distribution (chi-square, NIST/SEMATECH e-Handbook 1.3.6.7.4)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import harness  # noqa: F401  (BLAS switch before mlx)
+from harness.engine.sampling import (
+    SampleRow,
+    SamplingParams,
+    adjust,
+    draw_tokens,
+    filtered,
+    make_rng,
+    sample,
+)
+
+CHI2_999_DOF3 = 16.266  # upper 0.1 % point: a correct sampler fails 1 run in 1000
+
+
+def row(params=None, tokens=(0,), prompt=1, seed=0, banned=()):
+    params = params or SamplingParams()
+    return SampleRow(params, list(tokens), prompt, make_rng(params, seed), tuple(banned))
+
+
+def test_filters_by_hand():
+    """Probabilities 1 : 2 : 3 : 4, unnormalised as exp(x - max): .25, .5, .75, 1."""
+    logits = np.log(np.array([[1.0, 2.0, 3.0, 4.0]] * 5, dtype=np.float32))
+    params = [
+        SamplingParams(top_k=2),  # the two largest
+        SamplingParams(top_p=0.5),  # 1 (.4 of 2.5) < .5 <= 1 + .75: two kept
+        SamplingParams(top_p=0.3),  # the largest alone reaches .3
+        SamplingParams(min_p=0.6),  # >= .6 x max
+        SamplingParams(temperature=0.5),  # squares the ratios: 1 : 4 : 9 : 16
+    ]
+    got = np.asarray(filtered(logits, params))
+    want = [
+        [0, 0, 0.75, 1],
+        [0, 0, 0.75, 1],
+        [0, 0, 0, 1],
+        [0, 0, 0.75, 1],
+        [1 / 16, 4 / 16, 9 / 16, 1],
+    ]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_penalties_and_bans_by_hand():
+    """Prompt [0], output [2, 2, 4]: frequency .5 and presence .1 take 1.1 from token 2 and
+    .6 from token 4; repetition 2 then halves the positive logits of 0, 2 and 4 (a negative
+    one would double); token 3 is banned."""
+    logits = np.array([[1.0, -1.0, 2.0, 0.5, 3.0]], dtype=np.float32)
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.1, repetition_penalty=2.0)
+    got = adjust(logits, [row(params, tokens=[0, 2, 2, 4], prompt=1, banned=[3])])
+    np.testing.assert_allclose(got, [[0.5, -1.0, 0.45, -np.inf, 1.2]], rtol=1e-6)
+    assert logits[0, 0] == 1.0  # the input is left alone
+
+
+def test_draw_by_hand():
+    """Mass 1, 1, 2 (total 4): u x 4 falls in [0, 1) -> 0, [1, 2) -> 1, [2, 4) -> 2."""
+    probs = np.array([[1.0, 1.0, 2.0]] * 3, dtype=np.float32)
+    assert draw_tokens(probs, np.array([0.2, 0.3, 0.99], dtype=np.float32)).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("xp", [np, mx], ids=["numpy", "mlx"])
+def test_numpy_and_mlx_compute_the_same(xp):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 50)).astype(np.float32) * 3
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(top_k=5, min_p=0.05),
+        SamplingParams(temperature=1.3, repetition_penalty=1.2, frequency_penalty=0.4),
+        SamplingParams(temperature=0.5, top_k=10, top_p=0.7, presence_penalty=0.5),
+        SamplingParams(),
+        SamplingParams(temperature=2.0, min_p=0.2),
+    ]
+    rows = [row(p, tokens=[1, 2, 3, 3, 40], prompt=2, banned=(7,)) for p in params]
+    uniforms = rng.random(6).astype(np.float32)
+    want = draw_tokens(filtered(adjust(logits, rows), params), uniforms).tolist()
+    probs = filtered(adjust(xp.array(logits), rows), params)
+    np.testing.assert_allclose(
+        np.asarray(probs), filtered(adjust(logits, rows), params), rtol=1e-5, atol=1e-7
+    )
+    assert draw_tokens(probs, uniforms).tolist() == want
+
+
+def test_a_requests_tokens_do_not_depend_on_its_batch():
+    rng = np.random.default_rng(1)
+    logits = mx.array(rng.normal(size=(5, 64)).astype(np.float32))
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=11),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_k=8, seed=12, logprobs=3),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=13),
+        SamplingParams(temperature=0, presence_penalty=1.0),
+    ]
+
+    def rows():
+        return [row(p, tokens=[4, 5, 6], prompt=2, seed=i) for i, p in enumerate(params)]
+
+    for _ in range(3):  # a few draws from the same generators
+        batched = sample(logits, rows())
+        alone = [sample(logits[i : i + 1], [r])[0] for i, r in enumerate(rows())]
+        assert batched == alone
+
+
+def test_draws_follow_the_filtered_distribution():
+    """4 tokens kept by top_p 0.9 at temperature 0.8 out of 8; 4,000 draws."""
+    logits = np.log(np.array([8, 7, 6, 5, 1, 1, 0.5, 0.5], dtype=np.float32))
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    p = filtered(logits[None], [params])[0]
+    p = p / p.sum()
+    assert (p > 0).sum() == 4
+    r = row(params, seed=5)
+    n = 4000
+    picks = [sample(mx.array(logits[None]), [r])[0].token for _ in range(n)]
+    counts = np.bincount(picks, minlength=8)
+    assert counts[p == 0].sum() == 0
+    expected = n * p[p > 0]
+    assert ((counts[p > 0] - expected) ** 2 / expected).sum() < CHI2_999_DOF3

@@ -22,6 +22,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 GROUPS = ("model", "allocator", "scheduler", "trace", "engine")
+# Top-level ``_target_`` nodes that are not config groups.
+NODES = ("sampling",)
 # Top-level plain keys and the type each must have.
 SETTINGS = {
     "experiment_name": str,
@@ -35,6 +37,7 @@ RUNTIME_ARGS = {
     "allocator": {"num_blocks", "block_size"},
     "scheduler": {"allocator", "max_model_len"},
     "engine": {"model", "allocator", "scheduler"},
+    "sampling": {"max_tokens", "ignore_eos"},
 }
 _RESERVED = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
@@ -45,7 +48,7 @@ class ConfigError(ValueError):
 
 def validate(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first problem in ``cfg``; return quietly if it is sound."""
-    expected = set(GROUPS) | set(SETTINGS)
+    expected = set(GROUPS) | set(NODES) | set(SETTINGS)
     for key in cfg:
         if key not in expected:
             raise ConfigError(f"{key} is not a kvbench setting{_did_you_mean(key, expected)}")
@@ -66,7 +69,7 @@ def validate(cfg: DictConfig) -> None:
     for key in cfg.trace:
         if key != "generator":
             _value(cfg.trace, key, f"trace.{key}")  # knobs must be set and resolve
-    for group in ("model", "allocator", "scheduler", "engine"):
+    for group in ("model", "allocator", "scheduler", "engine", *NODES):
         check_node(cfg[group], group, RUNTIME_ARGS.get(group, set()))
     check_node(cfg.trace.generator, "trace.generator", set())
     engine = cfg.engine

@@ -8,6 +8,8 @@ sleeps; with the wall clock it sleeps until then, which is a real-time replay.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from functools import partial
 
 from tqdm import tqdm
 
@@ -38,13 +40,23 @@ def check_trace(trace: Trace, vocab_size: int) -> None:
                 )
 
 
-def sampling_params(req: TraceRequest) -> SamplingParams:
-    """Greedy, EOS ignored: every request produces exactly ``max_tokens`` tokens, so the
-    workload is the trace's and not the (random) weights' choice of when to stop."""
-    return SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+GREEDY = partial(SamplingParams, temperature=0.0)
 
 
-def replay(engine: LLMEngine, trace: Trace, *, progress: bool = True) -> None:
+def sampling_params(req: TraceRequest, sampling: Callable[..., SamplingParams] = GREEDY):
+    """``sampling`` (the config's ``sampling``: greedy by default) with the trace's
+    ``max_tokens`` and EOS ignored: every request produces exactly ``max_tokens`` tokens, so
+    the workload is the trace's and not the (random) weights' choice of when to stop."""
+    return sampling(max_tokens=req.max_tokens, ignore_eos=True)
+
+
+def replay(
+    engine: LLMEngine,
+    trace: Trace,
+    *,
+    sampling: Callable[..., SamplingParams] = GREEDY,
+    progress: bool = True,
+) -> None:
     """Run every request of ``trace`` to completion; results land in ``engine.recorder``.
 
     Arrival times are offsets from the moment the replay starts on ``engine.clock``.
@@ -60,7 +72,7 @@ def replay(engine: LLMEngine, trace: Trace, *, progress: bool = True) -> None:
                 engine.add_request(
                     req.request_id,
                     req.prompt_token_ids,
-                    sampling_params(req),
+                    sampling_params(req, sampling),
                     arrival_time=origin + req.arrival_time,
                     priority=req.priority,
                     ttft_slo=req.ttft_slo,

@@ -39,6 +39,7 @@ from harness import machine, results
 from harness.config import validate
 from harness.engine import LLMEngine
 from harness.engine.clock import VirtualClock, WallClock
+from harness.engine.sampling import SamplingParams, SamplingParamsError
 from harness.metrics import format_summary, requests_frame, steps_frame, summarize
 from harness.models import LoadedModel
 from harness.replay import check_trace, replay, sampling_params
@@ -125,6 +126,11 @@ def run(
         trace = _build(cfg.trace.generator)
         model = _build(cfg.model)
         check_trace(trace, model.vocab_size)
+        sampling = _build(cfg.sampling)
+        try:
+            sampling(max_tokens=1, ignore_eos=True)  # bad values fail now, naming the key
+        except SamplingParamsError as e:
+            raise ValueError(str(e).replace("SamplingParams.", "sampling.", 1)) from None
         build = partial(_build(cfg.engine), model, _build(cfg.allocator), _build(cfg.scheduler))
         engine = build()
     except (ValueError, OSError) as e:
@@ -135,14 +141,14 @@ def run(
         # First-time costs (allocations, BLAS threads) are the harness's, not the policy's:
         # pay them on a throwaway engine, so the measured one starts with a clean arena,
         # prefix cache and clock. Its buffers go back to MLX's cache for the real one.
-        warm_up(engine, trace, cfg.warmup)
+        warm_up(engine, trace, cfg.warmup, sampling)
         del engine
         gc.collect()
         engine = build()
     mx.reset_peak_memory()  # mlx_peak_bytes is this run's, not an earlier job's
     started = time.perf_counter()
     try:
-        replay(engine, trace, progress=cfg.progress)
+        replay(engine, trace, sampling=sampling, progress=cfg.progress)
     except BaseException as e:
         log.error(
             "replay failed: writing the %d finished requests' rows to %s",
@@ -176,12 +182,16 @@ def run(
     return summary
 
 
-def warm_up(engine: LLMEngine, trace: Trace, num_requests: int) -> None:
+def warm_up(
+    engine: LLMEngine, trace: Trace, num_requests: int, sampling: Callable[..., SamplingParams]
+) -> None:
     """Run the trace's first ``num_requests`` prompts at once, at most ``WARMUP_TOKENS``
     output tokens each, through ``engine``: batched prefills and decodes of the trace's own
     shapes. The engine is thrown away after."""
     for req in trace.requests[:num_requests]:
-        params = replace(sampling_params(req), max_tokens=min(WARMUP_TOKENS, req.max_tokens))
+        params = replace(
+            sampling_params(req, sampling), max_tokens=min(WARMUP_TOKENS, req.max_tokens)
+        )
         engine.add_request(f"warmup-{req.request_id}", req.prompt_token_ids, params)
     while engine.has_unfinished_requests():
         engine.step()

@@ -177,6 +177,8 @@ def test_launcher_configs_name_an_importable_launcher(launcher: str) -> None:
         (["scheduler.max_num_seqs=1.5"], r"scheduler\.max_num_seqs=1\.5 must be int"),
         (["engine.clock=sundial"], r"engine\.clock='sundial' must be one of 'virtual', 'wall'"),
         (["progress=maybe"], r"progress='maybe' must be bool"),
+        (["sampling.temperature=hot"], r"sampling\.temperature='hot' must be float"),
+        (["+sampling.max_tokens=3"], r"sampling\.max_tokens is set from the harness"),
         (["engine.kv_cache_bytes=1000000"], r"set exactly one.*engine\.num_blocks=null"),
         (["+allocator.num_blocks=4"], r"allocator\.num_blocks is set from the harness"),
         (["+scheduler.max_model_len=9"], r"scheduler\.max_model_len is set from engine\.max_m"),

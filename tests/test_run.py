@@ -190,6 +190,7 @@ def test_two_runs_started_together_write_two_folders(tmp_path: Path) -> None:
         ("model=pretrained model.path=/no/such/dir", r"model\.path='/no/such/dir' is not a dir"),
         ("+allocator.blok_size=3", r"allocator\.blok_size is not a parameter.*no options"),
         ("allocator=radix allocator.eviction=nope", r"allocator\.eviction='nope' must be one of"),
+        ("sampling.top_p=2", r"sampling\.top_p=2 is invalid: it must be in \(0, 1\]"),
     ],
 )
 def test_a_wrong_setting_is_one_line_naming_it_and_exit_status_2(kvbench, override, message):
@@ -266,3 +267,28 @@ def test_summary_reports_the_prefix_bound_at_the_runs_block_size(compose_cfg, tm
     total = sum(len(r.prompt_token_ids) for r in instantiate(cfg.trace.generator))
     assert summary["max_prefix_hit_rate"] == pytest.approx(100 / total)
     assert summary["max_prefix_hit_rate_blocks"] == pytest.approx(96 / total)
+
+
+def test_a_replay_can_sample(compose_cfg, tmp_path: Path) -> None:
+    """sampling.* reaches every replayed request, with the trace's max_tokens and EOS
+    ignored; the same seed gives the same schedule."""
+    over = ["sampling.temperature=0.8", "sampling.top_p=0.9", "sampling.repetition_penalty=1.1"]
+    first = run(compose_cfg([*over, "warmup=0"]), tmp_path / "a")
+    second = run(compose_cfg([*over, "warmup=0"]), tmp_path / "b")
+    assert first["completed"] == second["completed"] == 6
+    a, _ = results.load_tables(tmp_path / "a")
+    b, _ = results.load_tables(tmp_path / "b")
+    assert a["output_tokens"].tolist() == b["output_tokens"].tolist()
+
+
+def test_the_sampling_node_builds_each_requests_params() -> None:
+    from functools import partial
+
+    from harness.engine.sampling import SamplingParams
+    from harness.replay import sampling_params
+    from harness.traces import TraceRequest
+
+    req = TraceRequest("r", 0.0, (1, 2, 3), max_tokens=7)
+    got = sampling_params(req, partial(SamplingParams, temperature=0.8, top_p=0.9))
+    assert got == SamplingParams(temperature=0.8, top_p=0.9, max_tokens=7, ignore_eos=True)
+    assert sampling_params(req) == SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)

@@ -22,8 +22,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 GROUPS = ("model", "allocator", "scheduler", "trace", "engine")
-# Top-level ``_target_`` nodes that are not config groups.
+# Top-level ``_target_`` nodes that are not config groups, and groups with no default.
 NODES = ("sampling",)
+OPTIONAL = ("speculative",)
 # Top-level plain keys and the type each must have.
 SETTINGS = {
     "experiment_name": str,
@@ -35,8 +36,8 @@ SETTINGS = {
 # Arguments the harness passes when it builds a part, so the config must not set them.
 RUNTIME_ARGS = {
     "allocator": {"num_blocks", "block_size"},
-    "scheduler": {"allocator", "max_model_len"},
-    "engine": {"model", "allocator", "scheduler"},
+    "scheduler": {"allocator", "max_model_len", "num_lookahead_slots"},
+    "engine": {"model", "allocator", "scheduler", "speculative"},
     "sampling": {"max_tokens", "ignore_eos"},
 }
 _RESERVED = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -48,7 +49,7 @@ class ConfigError(ValueError):
 
 def validate(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first problem in ``cfg``; return quietly if it is sound."""
-    expected = set(GROUPS) | set(NODES) | set(SETTINGS)
+    expected = set(GROUPS) | set(NODES) | set(OPTIONAL) | set(SETTINGS)
     for key in cfg:
         if key not in expected:
             raise ConfigError(f"{key} is not a kvbench setting{_did_you_mean(key, expected)}")
@@ -71,6 +72,9 @@ def validate(cfg: DictConfig) -> None:
             _value(cfg.trace, key, f"trace.{key}")  # knobs must be set and resolve
     for group in ("model", "allocator", "scheduler", "engine", *NODES):
         check_node(cfg[group], group, RUNTIME_ARGS.get(group, set()))
+    for group in OPTIONAL:
+        if cfg.get(group) is not None:
+            check_node(cfg[group], group, set())
     check_node(cfg.trace.generator, "trace.generator", set())
     engine = cfg.engine
     if (engine.get("num_blocks") is None) == (engine.get("kv_cache_bytes") is None):

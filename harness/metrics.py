@@ -66,6 +66,7 @@ STEP_SCHEMA: dict[str, str] = {
     "slots_external": "int",  # free slots in runs/regions too small for the next request in line
     "slots_total": "int",  # arena slots
     "external_fragmentation": "float",  # slots_external over free slots (vLLM paper's sense)
+    "draft_blocks_used": "int",  # the draft model's blocks (speculative decoding), else 0
     "mlx_active_bytes": "int",
     "mlx_peak_bytes": "int",
     "spec_proposed": "int",

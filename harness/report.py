@@ -409,7 +409,7 @@ def _no_rate(frame: pd.DataFrame) -> str:
 def _no_speculation(frame: pd.DataFrame) -> str:
     if has_speculation(frame):
         return ""
-    return "No run used speculative decoding (`scheduler=speculative`): no acceptance to show."
+    return "No run used speculative decoding (`speculative=draft`): no acceptance to show."
 
 
 def _nothing(frame: pd.DataFrame) -> str:

@@ -40,6 +40,7 @@ from harness.config import validate
 from harness.engine import LLMEngine
 from harness.engine.clock import VirtualClock, WallClock
 from harness.engine.sampling import SamplingParams, SamplingParamsError
+from harness.engine.speculative import Speculation
 from harness.metrics import format_summary, requests_frame, steps_frame, summarize
 from harness.models import LoadedModel
 from harness.replay import check_trace, replay, sampling_params
@@ -88,6 +89,7 @@ def build_engine(
     num_blocks: int | None = None,
     kv_cache_bytes: int | None = None,
     max_model_len: int | None = None,
+    speculative: Speculation | None = None,
     clock: Literal["virtual", "wall"] = "virtual",
     seed: int = 0,
 ) -> LLMEngine:
@@ -100,6 +102,7 @@ def build_engine(
         num_blocks=num_blocks,
         kv_cache_bytes=kv_cache_bytes,
         max_model_len=max_model_len,
+        speculative=speculative,
         clock=CLOCKS[clock](),
         seed=seed,
     )
@@ -131,7 +134,14 @@ def run(
             sampling(max_tokens=1, ignore_eos=True)  # bad values fail now, naming the key
         except SamplingParamsError as e:
             raise ValueError(str(e).replace("SamplingParams.", "sampling.", 1)) from None
-        build = partial(_build(cfg.engine), model, _build(cfg.allocator), _build(cfg.scheduler))
+        speculative = _build(cfg.speculative) if cfg.get("speculative") is not None else None
+        build = partial(
+            _build(cfg.engine),
+            model,
+            _build(cfg.allocator),
+            _build(cfg.scheduler),
+            speculative=speculative,
+        )
         engine = build()
     except (ValueError, OSError) as e:
         results.write_failure(out, e)

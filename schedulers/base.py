@@ -25,6 +25,13 @@ One step, decode-first (the default)::
 Prefill-first (``prefill_first = True``) brings in before scheduling the running sequences,
 keeping back the blocks their decodes need this step.
 
+Speculative decoding (``num_lookahead_slots = k > 0``, set by the engine): after the step is
+decided, each decode is widened to verify up to ``k`` draft tokens (``Scheduled(seq, 1 + k,
+num_draft_tokens=k)``) when its slots fit in the token budget and at least one free block
+per running sequence stays free: speculation only uses headroom, never preempts anyone.
+Whenever a sequence's blocks go (finish, abort, preemption) ``release_listeners`` hear its id
+(the engine's draft model drops its KV).
+
 Policies override the hooks that differ: ``_waiting_order`` / ``_incoming_order`` (who comes
 in first), ``_victim`` (who is preempted), ``_running_order`` and ``_chunk`` (chunking), and
 ``_make_room`` (preempting to admit a more important request).
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 
 from allocators.base import Allocation, BlockAllocator, blocks_for
 from schedulers.output import (  # noqa: F401  (re-exported: part of the contract)
@@ -71,6 +79,8 @@ class Scheduler(ABC):
         preemption_mode: ``recompute`` or ``swap``.
         swap_blocks: host blocks the swap space holds (None: unbounded); a victim that does
             not fit is preempted by recompute instead.
+        num_lookahead_slots: draft tokens a decode may verify per step (speculative
+            decoding; the engine sets it, 0 without).
     """
 
     chunked_prefill = False
@@ -88,6 +98,7 @@ class Scheduler(ABC):
         max_wait: float = 0.0,
         preemption_mode: str = "recompute",
         swap_blocks: int | None = None,
+        num_lookahead_slots: int = 0,
     ) -> None:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.chunked_prefill else max(max_model_len, 2048)
@@ -117,6 +128,8 @@ class Scheduler(ABC):
             raise ValueError(f"scheduler.preemption_mode={preemption_mode!r}: use one of {modes}")
         if swap_blocks is not None:
             positive_int("swap_blocks", swap_blocks)
+        if num_lookahead_slots:
+            positive_int("num_lookahead_slots", num_lookahead_slots)
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -133,6 +146,8 @@ class Scheduler(ABC):
         self.running: list[Request] = []  # in admission order
         self.swapped: list[Request] = []  # in swap-out order
         self.host_blocks: dict[str, int] = {}  # swapped request -> blocks of its host copy
+        self.num_lookahead_slots = num_lookahead_slots
+        self.release_listeners: list[Callable[[str], None]] = []
 
     # -- requests in and out -------------------------------------------------------------
     def add(self, seq: Request) -> None:
@@ -146,7 +161,7 @@ class Scheduler(ABC):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self.allocator.free(request_id)
+                    self._release(request_id)
                     self.host_blocks.pop(request_id, None)
                     return seq
         return None
@@ -154,7 +169,12 @@ class Scheduler(ABC):
     def finish(self, seq: Request) -> None:
         """A running sequence is done: release its blocks (cached blocks may stay shared)."""
         self.running.remove(seq)
-        self.allocator.free(seq.request_id)
+        self._release(seq.request_id)
+
+    def _release(self, request_id: str) -> None:
+        self.allocator.free(request_id)
+        for listener in self.release_listeners:
+            listener(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -185,7 +205,42 @@ class Scheduler(ABC):
             budget, pressure = self._schedule_running(out, budget, running)
             if not pressure:
                 self._bring_in(out, budget, now, reserve=0)
+        if self.num_lookahead_slots:
+            self._widen(out)
         return out
+
+    def _widen(self, out: SchedulerOutput) -> None:
+        """Give decodes lookahead slots for draft tokens, from headroom only."""
+        alloc = self.allocator
+        budget = self.max_num_batched_tokens - out.num_batched_tokens
+        headroom = len(self.running) + self.watermark_blocks
+        copies = list(out.copies)
+        for i, s in enumerate(out.scheduled):
+            k = self._num_drafts(s)
+            if not k or k > budget:
+                continue
+            rid, have = s.seq.request_id, s.seq.num_computed_tokens + 1
+            if not alloc.can_allocate(rid, have + k) or (
+                alloc.num_free_blocks() - alloc.blocks_needed(rid, have + k) < headroom
+            ):
+                continue
+            grown = alloc.allocate(rid, have + k)
+            if grown is None:
+                continue
+            copies.extend(grown.copies)
+            out.scheduled[i] = Scheduled(s.seq, k + 1, num_draft_tokens=k)
+            budget -= k
+        out.copies = simultaneous(copies)
+
+    def _num_drafts(self, s: Scheduled) -> int:
+        """Draft tokens worth verifying for a scheduled sequence (0 unless it decodes)."""
+        seq = s.seq
+        if s.num_new_tokens != 1 or seq.num_uncomputed_tokens != 1:
+            return 0
+        # A verification yields up to k + 1 tokens: never propose past max_tokens or the
+        # model length, where they would all be dropped.
+        left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_seq_len - seq.num_tokens)
+        return max(0, min(self.num_lookahead_slots, left - 1))
 
     def _hold_until(self, now: float) -> float | None:
         if self.running or self.swapped or not self.waiting:
@@ -323,14 +378,14 @@ class Scheduler(ABC):
             and (self.swap_blocks is None or host_used + num_blocks <= self.swap_blocks)
         ):
             blocks = tuple(self.allocator.block_table(seq.request_id)[:num_blocks])
-            self.allocator.free(seq.request_id)
+            self._release(seq.request_id)
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
             self.host_blocks[seq.request_id] = num_blocks
             out.swapped_out.append(SwapOut(seq, blocks))
             out.preempted.append((seq, Preemption.SWAP))
             return
-        self.allocator.free(seq.request_id)
+        self._release(seq.request_id)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -360,3 +415,16 @@ class Scheduler(ABC):
         """Tokens ``seq`` computes this step: all that remain, if the budget holds them."""
         n = seq.num_uncomputed_tokens
         return n if n <= budget else 0
+
+
+def simultaneous(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Block copies made one after another, as one pass that reads the pre-step arena.
+
+    A decode widened after the base scheduled it may relocate again (A->B by the base, then
+    B->C): applied in one gather-then-scatter pass, C would get B's stale content. Composing
+    gives A->B, A->C; a later writer of the same destination replaces an earlier one.
+    """
+    content: dict[int, int] = {}
+    for src, dst in copies:
+        content[dst] = content.get(src, src)
+    return [(src, dst) for dst, src in content.items() if src != dst]

@@ -63,19 +63,25 @@ def test_scheduler_options_build(compose_cfg, name: str) -> None:
     validate(cfg)
     allocator = instantiate(cfg.allocator)(num_blocks=64, block_size=16)
     scheduler = instantiate(cfg.scheduler)(allocator)
-    # The speculative policy wraps a base Scheduler instead of subclassing one.
-    policy = getattr(scheduler, "base", scheduler)
-    assert isinstance(policy, Scheduler) and scheduler.allocator is allocator
+    assert isinstance(scheduler, Scheduler) and scheduler.allocator is allocator
 
 
 def test_max_model_len_is_the_engines_and_reaches_every_part(compose_cfg, model) -> None:
-    """One setting: the speculative policy's base scheduler and contiguous_max_len's
-    reservation both follow engine.max_model_len (they once failed to compose)."""
-    overrides = ["allocator=contiguous_max_len", "scheduler=speculative"]
+    """One setting: a speculative run's scheduler and contiguous_max_len's reservation both
+    follow engine.max_model_len (they once failed to compose)."""
+    overrides = ["allocator=contiguous_max_len", "speculative=draft"]
     cfg = compose_cfg([*overrides, "engine.max_model_len=640"])
     validate(cfg)
-    engine = instantiate(cfg.engine)(model, instantiate(cfg.allocator), instantiate(cfg.scheduler))
-    assert engine.scheduler.base.max_model_len == 640
+    engine = instantiate(cfg.engine)(
+        model,
+        instantiate(cfg.allocator),
+        instantiate(cfg.scheduler),
+        speculative=instantiate(cfg.speculative),
+    )
+    assert engine.scheduler.max_model_len == 640
+    assert engine.scheduler.num_lookahead_slots == 4
+    assert engine.proposer.allocator.held_slots  # the draft's allocator is built alike
+    assert type(engine.proposer.allocator) is type(engine.allocator)
     assert engine.allocator.allocate("a", 1) is not None
     assert engine.allocator.held_slots("a") == 640  # 40 blocks of 16 reserved
 

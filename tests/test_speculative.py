@@ -23,13 +23,13 @@ from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import LLMEngine
 from harness.engine.sampling import SampleRow, SamplingParams, adjust_logits, filtered_probs
-from harness.engine.speculative import Proposal, accept_or_resample, verify
+from harness.engine.speculative import Proposal, Speculation, accept_or_resample, verify
 from harness.metrics import requests_frame, steps_frame, summarize
 from harness.models import noisy_copy, random_model
+from schedulers.base import simultaneous
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler
-from schedulers.speculative import SpeculativeScheduler, simultaneous
 
 ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAllocator]
 # Upper 0.1 % points of the chi-square distribution (a correct sampler fails 1 run in 1000).
@@ -61,19 +61,14 @@ def spec_engine(
     max_model_len=None,
     **base,
 ):
-    scheduler = partial(
-        SpeculativeScheduler,
-        base=partial(policy, max_num_seqs=max_num_seqs, **base),
-        num_draft_tokens=k,
-        draft=draft,
-    )
     return LLMEngine.build(
         model,
         allocator,
-        scheduler,
+        partial(policy, max_num_seqs=max_num_seqs, **base),
         block_size=block_size,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
+        speculative=Speculation(num_draft_tokens=k, draft=draft),
     )
 
 
@@ -92,7 +87,7 @@ def assert_all_free(engine):
 
 
 def observe_plans(engine) -> list:
-    """Keep every step's plan: the engine writes the verification counts onto it."""
+    """Keep every step's plan."""
     plans, schedule = [], engine.scheduler.schedule
 
     def keep(now):
@@ -158,10 +153,9 @@ def test_any_base_policy_keeps_greedy_tokens(model, policy):
 def test_exact_draft_accepts_everything(model, prompts):
     k = 4
     engine = spec_engine(model, draft=partial(noisy_copy, scale=0.0), k=k, max_num_seqs=1)
-    plans = observe_plans(engine)
     engine.generate(prompts, SamplingParams(temperature=0, max_tokens=31, ignore_eos=True))
-    verified = [p for p in plans if p.num_verifications]
-    assert all(p.spec_accepted == p.spec_proposed == k for p in verified)
+    verified = [r for r in engine.recorder.steps if r["spec_verifications"]]
+    assert all(r["spec_accepted"] == r["spec_proposed"] == k for r in verified)
     # 31 tokens: one from the prefill, then six verifications of k + 1 = 5 tokens each
     assert len(verified) == 6 * len(prompts)
     assert all(r["spec_accepted"] == r["spec_proposed"] == 6 * k for r in engine.recorder.requests)
@@ -338,8 +332,8 @@ def test_tokens_per_step_follow_leviathan_for_the_measured_acceptance(model):
     params = [SamplingParams(temperature=1.0, max_tokens=90, seed=s) for s in range(64)]
     engine.generate(prompts, params)
     scheduled = [s for p in plans for s in p.scheduled if s.num_draft_tokens]
-    accepted = sum(p.spec_accepted for p in plans)
-    rejected = sum(p.spec_rejected for p in plans)
+    accepted = sum(r["spec_accepted"] for r in engine.recorder.steps)
+    rejected = sum(r["spec_rejected"] for r in engine.recorder.steps)
     assert len(scheduled) >= 2000
     a = accepted / (accepted + rejected)  # per draft token, as Leviathan's alpha
     predicted = sum((1 - a ** (s.num_draft_tokens + 1)) / (1 - a) for s in scheduled)
@@ -347,25 +341,52 @@ def test_tokens_per_step_follow_leviathan_for_the_measured_acceptance(model):
     assert abs(measured / predicted - 1) < 0.05, (a, measured, predicted)
 
 
-def test_hydra_builds_a_speculative_scheduler_over_any_base(model, prompts, reference):
+def test_hydra_builds_speculation_for_any_policy(model, prompts, reference):
+    """The speculative/ config group's node builds the engine feature; any policy decides."""
     config = {
-        "_target_": "schedulers.speculative.SpeculativeScheduler",
-        "_partial_": True,
+        "_target_": "harness.engine.speculative.Speculation",
         "num_draft_tokens": 3,
-        "base": {"_target_": "schedulers.fcfs.FCFSScheduler", "_partial_": True, "max_num_seqs": 4},
         "draft": {"_target_": "harness.models.noisy_copy", "_partial_": True, "scale": 0.02},
     }
-    scheduler = hydra.utils.instantiate(config)
-    engine = LLMEngine.build(model, FreeListAllocator, scheduler, block_size=16, num_blocks=64)
-    assert isinstance(engine.scheduler, SpeculativeScheduler)
+    speculation = hydra.utils.instantiate(config)
+    engine = LLMEngine.build(
+        model,
+        FreeListAllocator,
+        partial(PriorityScheduler, max_num_seqs=4),
+        block_size=16,
+        num_blocks=64,
+        speculative=speculation,
+    )
+    assert engine.scheduler.num_lookahead_slots == 3
     assert tokens(engine.generate(prompts, GREEDY)) == reference
+
+
+def test_the_draft_kv_is_counted_in_the_budget(model):
+    """A byte budget sizes both arenas: target + draft bytes per block (the tiny model and
+    its noisy copy: 4 layers x 2 K/V x 2 heads x 64 x 4 bytes = 4096 bytes per token each);
+    the draft's blocks are recorded each step."""
+    budget = 64 * 16 * 2 * 4096
+    plain = LLMEngine.build(model, FreeListAllocator, FCFSScheduler, kv_cache_bytes=budget)
+    spec = LLMEngine.build(
+        model,
+        FreeListAllocator,
+        FCFSScheduler,
+        kv_cache_bytes=budget,
+        speculative=Speculation(2, partial(noisy_copy, scale=0.0)),
+    )
+    assert (plain.allocator.num_blocks, spec.allocator.num_blocks) == (128, 64)
+    assert spec.proposer.allocator.num_blocks == 64
+    assert type(spec.proposer.allocator) is FreeListAllocator
+    spec.generate([[1, 2, 3]], GREEDY)
+    assert max(r["draft_blocks_used"] for r in spec.recorder.steps) >= 1
+    assert spec.proposer.allocator.stats().used_blocks == 0  # released at finish
 
 
 def test_bad_configuration_names_the_problem(model):
     with pytest.raises(ValueError, match="num_draft_tokens"):
         spec_engine(model, k=0)
     other = random_model("llama", "tiny", seed=1, vocab_size=512)
-    with pytest.raises(ValueError, match="same one"):
+    with pytest.raises(ValueError, match="needs the same"):
         spec_engine(model, draft=lambda target: other)
 
 

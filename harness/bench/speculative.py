@@ -37,10 +37,9 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from allocators.free_list import FreeListAllocator
 from harness.engine import LLMEngine
 from harness.engine.sampling import SamplingParams
-from harness.engine.speculative import random_draft
+from harness.engine.speculative import Speculation, random_draft
 from harness.models import LoadedModel, noisy_copy, random_model
 from schedulers.fcfs import FCFSScheduler
-from schedulers.speculative import SpeculativeScheduler
 
 PROMPT_LEN = 16
 NOISE_SEED = 1
@@ -81,13 +80,15 @@ def leviathan(a: float, k: int, c: float) -> float:
 
 
 def run_kvbench(target: LoadedModel, prompt: list[int], n: int, draft=None, k: int = 0) -> Run:
-    base = partial(FCFSScheduler, max_num_seqs=1)
-    scheduler = (
-        base
-        if draft is None
-        else partial(SpeculativeScheduler, base=base, num_draft_tokens=k, draft=draft)
+    speculative = None if draft is None else Speculation(num_draft_tokens=k, draft=draft)
+    engine = LLMEngine.build(
+        target,
+        FreeListAllocator,
+        partial(FCFSScheduler, max_num_seqs=1),
+        block_size=16,
+        num_blocks=64,
+        speculative=speculative,
     )
-    engine = LLMEngine.build(target, FreeListAllocator, scheduler, block_size=16, num_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     start = time.perf_counter()
     out = engine.generate([prompt], params)[0].outputs[0].token_ids

@@ -24,7 +24,14 @@ from harness.engine.recorder import Recorder
 from harness.engine.request import CompletionOutput, RequestOutput
 from harness.engine.request import Sequence as Seq
 from harness.engine.sampling import SampleRow, SamplingParams, make_rng, sample
-from harness.engine.speculative import Proposal, Verified, build_proposer, verify
+from harness.engine.speculative import (
+    DraftProposer,
+    Proposal,
+    Speculation,
+    Verifications,
+    Verified,
+    verify,
+)
 from harness.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.request import Status
@@ -45,12 +52,18 @@ class LLMEngine:
         allocator: BlockAllocator,
         scheduler: Scheduler,
         *,
+        proposer: DraftProposer | None = None,
         clock: Clock | None = None,
         seed: int = 0,
         record: bool = True,
     ) -> None:
         if scheduler.allocator is not allocator:
             raise ValueError("the scheduler must be built over the engine's allocator")
+        if (proposer is None) != (scheduler.num_lookahead_slots == 0):
+            raise ValueError(
+                "a draft proposer and the scheduler's num_lookahead_slots go together: build "
+                "a speculative engine with LLMEngine.build(..., speculative=Speculation(...))"
+            )
         self.model = model
         self.allocator = allocator
         self.scheduler = scheduler
@@ -65,8 +78,12 @@ class LLMEngine:
             dtype=model.dtype,
         )
         self.runner = ModelRunner(model, self.arena)
-        self.recorder = Recorder(allocator, enabled=record)
-        self.proposer = build_proposer(model, scheduler)  # None unless the policy speculates
+        self.proposer = proposer  # the draft model, when speculating
+        if proposer is not None:
+            scheduler.release_listeners.append(proposer.release)
+        draft_allocator = proposer.allocator if proposer is not None else None
+        self.recorder = Recorder(allocator, draft_allocator, enabled=record)
+        self._verifications = Verifications()  # this step's, filled by _verify
         self._proposals: dict[Seq, Proposal] = {}  # this step's drafts, from _rows to _postprocess
         self._lock = threading.RLock()
         self._requests: dict[str, Seq] = {}
@@ -85,13 +102,18 @@ class LLMEngine:
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
         max_model_len: int | None = None,
+        speculative: Speculation | None = None,
         **kwargs,
     ) -> LLMEngine:
         """Size the arena (from ``num_blocks`` or a byte budget), then build the parts.
 
         ``max_model_len`` (prompt + output tokens at most) is the model's, given to the
         scheduler: at most the model's ``max_position_embeddings``, which is also the default
-        (``DEFAULT_MAX_MODEL_LEN`` when the model sets none), as vLLM derives it."""
+        (``DEFAULT_MAX_MODEL_LEN`` when the model sets none), as vLLM derives it.
+
+        ``speculative``: a draft model proposes tokens the target verifies. Its KV lives on
+        an allocator built like the target's, with as many blocks, and counts in the budget:
+        ``kv_cache_bytes`` then sizes both arenas (target + draft bytes per block)."""
         limit = model.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit or DEFAULT_MAX_MODEL_LEN
@@ -104,15 +126,22 @@ class LLMEngine:
             raise ValueError("set exactly one of engine.num_blocks and engine.kv_cache_bytes")
         if num_blocks is not None and num_blocks < 1:
             raise ValueError(f"engine.num_blocks={num_blocks} must be at least 1")
+        draft = speculative.draft_for(model) if speculative is not None else None
         if num_blocks is None:
-            per_block = model.kv_bytes_per_token() * block_size
+            per_token = model.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft else 0)
+            per_block = per_token * block_size
             num_blocks = kv_cache_bytes // per_block
             if num_blocks < 1:
                 raise ValueError(
                     f"engine.kv_cache_bytes={kv_cache_bytes} holds no block of {per_block} bytes"
                 )
         alloc = allocator(num_blocks=num_blocks, block_size=block_size)
-        return cls(model, alloc, scheduler(alloc, max_model_len=max_model_len), **kwargs)
+        lookahead = speculative.num_draft_tokens if speculative is not None else 0
+        policy = scheduler(alloc, max_model_len=max_model_len, num_lookahead_slots=lookahead)
+        proposer = None
+        if draft is not None:
+            proposer = DraftProposer(draft, allocator(num_blocks=num_blocks, block_size=block_size))
+        return cls(model, alloc, policy, proposer=proposer, **kwargs)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -178,39 +207,60 @@ class LLMEngine:
         back a small batch (min_batch_size) idles no later than that.
         """
         with self._lock:
-            start = time.perf_counter()
-            now = self.clock.now()
+            start, now = time.perf_counter(), self.clock.now()
             plan = self.scheduler.schedule(now)
-            outputs, self._pending = self._pending, []
-            for seq, reason in plan.rejected:
-                self._finish(seq, "abort", now, abort_reason=reason)
-                outputs.append(self._output(seq))
+            outputs = self._rejected(plan, now)
             swap_time = self._move_blocks(plan)
-            forward_time = build_time = 0.0
-            snapshot = []  # the step's memory figures, taken while the forward computes
-
-            def take_snapshot() -> None:
-                snapshot.append(self.recorder.snapshot(self.scheduler, plan))
-
-            if plan.scheduled:
-                result = self.runner.forward(self._rows(plan), overlap=take_snapshot)
-                forward_time, build_time = result.forward_time, result.build_time
-                outputs += self._postprocess(plan, result.logits, start)
-            else:
-                take_snapshot()
-            duration = time.perf_counter() - start
-            self.clock.advance(duration)
-            self.recorder.step(
-                plan, snapshot[0], now, duration, forward_time, build_time, swap_time=swap_time
-            )
-            if plan.hold_until is not None:
-                # The scheduler lets a bigger batch form: idle until it stops holding, or
-                # until the next arrival the driver knows of, whichever comes first.
-                wake = (
-                    plan.hold_until if next_arrival is None else min(plan.hold_until, next_arrival)
-                )
-                self.clock.wait_until(wake)
+            outputs += self._run(plan, start, now, swap_time)
+            self._idle(plan, next_arrival)
             return outputs
+
+    def _rejected(self, plan: SchedulerOutput, now: float) -> list[RequestOutput]:
+        """Outputs of pending aborts and of requests the scheduler rejected this step."""
+        outputs, self._pending = self._pending, []
+        for seq, reason in plan.rejected:
+            self._finish(seq, "abort", now, abort_reason=reason)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _run(
+        self, plan: SchedulerOutput, start: float, now: float, swap_time: float
+    ) -> list[RequestOutput]:
+        """The forward, sampling and the step's row (its memory figures taken while the
+        forward computes); the clock advances by the step's measured duration."""
+        self._verifications = Verifications()
+        snapshot = []
+
+        def take_snapshot() -> None:
+            snapshot.append(self.recorder.snapshot(self.scheduler, plan))
+
+        outputs, forward_time, build_time = [], 0.0, 0.0
+        if plan.scheduled:
+            result = self.runner.forward(self._rows(plan), overlap=take_snapshot)
+            forward_time, build_time = result.forward_time, result.build_time
+            outputs = self._postprocess(plan, result.logits, start)
+        else:
+            take_snapshot()
+        duration = time.perf_counter() - start
+        self.clock.advance(duration)
+        self.recorder.step(
+            plan,
+            snapshot[0],
+            now,
+            duration,
+            forward_time,
+            build_time,
+            swap_time=swap_time,
+            verifications=self._verifications,
+        )
+        return outputs
+
+    def _idle(self, plan: SchedulerOutput, next_arrival: float | None) -> None:
+        """The scheduler lets a bigger batch form: idle until it stops holding, or until the
+        next arrival the driver knows of, whichever comes first."""
+        if plan.hold_until is not None:
+            wake = plan.hold_until if next_arrival is None else min(plan.hold_until, next_arrival)
+            self.clock.wait_until(wake)
 
     def _move_blocks(self, plan: SchedulerOutput) -> float:
         """Swap-outs, block copies, swap-ins: each block is read before a later op (or the
@@ -219,13 +269,13 @@ class LLMEngine:
         if plan.swapped_out:
             start = time.perf_counter()
             for s in plan.swapped_out:
-                self._host[s.seq.request_id] = self.arena.swap_out(s.blocks)
+                self._host[s.seq.request_id] = self.runner.swap_out(s.blocks)
             swap_time += time.perf_counter() - start
         self.runner.copy_blocks(plan.copies)  # a source may be a block a swap-in reuses
         if plan.swapped_in:
             start = time.perf_counter()
             for s in plan.swapped_in:
-                self.arena.swap_in(self._host.pop(s.seq.request_id), s.blocks, s.first)
+                self.runner.swap_in(self._host.pop(s.seq.request_id), s.blocks, s.first)
             swap_time += time.perf_counter() - start
         return swap_time
 
@@ -314,9 +364,11 @@ class LLMEngine:
                 proposal,
                 lambda j, s=seq, d=proposal.tokens: self._sample_row(s, d[:j]),
             )
-            plan.spec_proposed += n
-            plan.spec_accepted += got.accepted
-            plan.spec_rejected += got.accepted < n
+            counts = self._verifications
+            counts.proposed += n
+            counts.accepted += got.accepted
+            counts.rejected += got.accepted < n
+            counts.verifications += 1
             seq.spec_proposed += n
             seq.spec_accepted += got.accepted
             verified.append((seq, got))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from harness.engine.kv_cache import BatchLayout, KVArena, PagedKVCache
+from harness.engine.kv_cache import BatchLayout, HostBlocks, KVArena, PagedKVCache
 from harness.models import LoadedModel
 
 
@@ -55,6 +55,14 @@ class ModelRunner:
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         self.arena.copy_blocks(copies)
+
+    def swap_out(self, blocks: Sequence[int]) -> HostBlocks:
+        """Copy ``blocks`` of every layer to host memory (a swapped-out sequence's KV)."""
+        return self.arena.swap_out(blocks)
+
+    def swap_in(self, host: HostBlocks, blocks: Sequence[int], first: int = 0) -> None:
+        """Write host blocks ``first, first + 1, ...`` back into device ``blocks``."""
+        self.arena.swap_in(host, blocks, first)
 
     def forward(
         self, rows: Sequence[Row], overlap: Callable[[], None] | None = None

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from allocators.base import BlockAllocator
 from harness.engine.request import Sequence
+from harness.engine.speculative import Verifications
 from schedulers.request import Status
 
 if TYPE_CHECKING:
@@ -44,8 +45,15 @@ class _Holding:
 class Recorder:
     """Collects per-step and per-request rows (a no-op when disabled, e.g. in benchmarks)."""
 
-    def __init__(self, allocator: BlockAllocator, *, enabled: bool = True):
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        draft_allocator: BlockAllocator | None = None,
+        *,
+        enabled: bool = True,
+    ):
         self.allocator = allocator
+        self.draft_allocator = draft_allocator  # the draft model's KV (speculative decoding)
         self.enabled = enabled
         self.requests: list[dict] = []
         self._rows: list[dict] = []
@@ -140,6 +148,7 @@ class Recorder:
             slots_external=unusable * bs,
             slots_total=stats.num_blocks * bs,
             external_fragmentation=unusable / stats.free_blocks if stats.free_blocks else 0.0,
+            draft_blocks_used=draft.stats().used_blocks if (draft := self.draft_allocator) else 0,
             mlx_active_bytes=mx.get_active_memory(),
         )
         # Allocations live at the previous step and not now have ended: settle them.
@@ -157,10 +166,12 @@ class Recorder:
         forward_time: float,
         build_time: float,
         swap_time: float = 0.0,
+        verifications: Verifications | None = None,
     ) -> None:
         """One row per step: the plan, its timings, and the ``snapshot`` taken during it."""
         if not self.enabled:
             return
+        spec = verifications or Verifications()
         row.update(
             step=len(self._rows),
             start_time=start,
@@ -174,10 +185,10 @@ class Recorder:
             swap_in_blocks=sum(len(s.blocks) for s in plan.swapped_in),
             swap_time=swap_time,
             mlx_peak_bytes=mx.get_peak_memory(),
-            spec_proposed=getattr(plan, "spec_proposed", 0),
-            spec_accepted=getattr(plan, "spec_accepted", 0),
-            spec_rejected=getattr(plan, "spec_rejected", 0),
-            spec_verifications=sum(1 for s in plan.scheduled if s.num_draft_tokens),
+            spec_proposed=spec.proposed,
+            spec_accepted=spec.accepted,
+            spec_rejected=spec.rejected,
+            spec_verifications=spec.verifications,
         )
         self._rows.append(row)
 

@@ -14,8 +14,11 @@ Greedy requests accept a draft token iff it is the target's argmax. Sampling req
 ``p``. Both ``p`` and ``q`` go through the sampler's own processing (penalties, min_tokens
 bans, temperature, top-k/top-p/min-p), with the context each position actually has.
 
-The draft model has its own KV arena, allocator and runner; its KV for a sequence is dropped
-when the scheduler releases the sequence (finish, abort, preemption).
+Speculative decoding is an engine feature (config group ``speculative/``): the engine builds
+the draft model and its allocator like the target's (same allocator policy, same number of
+blocks, so it holds every running sequence), counts the draft's KV in the run's budget, and
+sets the scheduler's ``num_lookahead_slots``. A sequence's draft KV is dropped when the
+scheduler releases the sequence (finish, abort, preemption).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from allocators.free_list import FreeListAllocator
+from allocators.base import BlockAllocator
 from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.request import Sequence as Seq
@@ -35,6 +38,44 @@ from harness.models import LoadedModel, random_model
 
 # The sampler's view of a sequence with some draft tokens appended (the engine's _sample_row).
 RowFor = Callable[[Seq, Sequence[int]], SampleRow]
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding's settings: ``num_draft_tokens`` per decode and the ``draft``
+    model, a LoadedModel, a callable building one from the target (e.g.
+    ``functools.partial(noisy_copy, scale=0.017)``), or None for ``random_draft``."""
+
+    num_draft_tokens: int = 4
+    draft: LoadedModel | Callable[[LoadedModel], LoadedModel] | None = None
+
+    def __post_init__(self) -> None:
+        k = self.num_draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative.num_draft_tokens={k!r} is invalid: an int >= 1")
+
+    def draft_for(self, target: LoadedModel) -> LoadedModel:
+        """The draft model for ``target``, checked to share its vocabulary."""
+        spec = self.draft
+        draft = spec if isinstance(spec, LoadedModel) else (spec or random_draft)(target)
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft model {draft.name!r} has vocabulary {draft.vocab_size}, target "
+                f"{target.name!r} has {target.vocab_size}: speculative decoding needs the same"
+            )
+        return draft
+
+
+@dataclass
+class Verifications:
+    """One step's verification counts: ``proposed`` draft tokens, ``accepted`` of them,
+    ``rejected`` verifications that stopped at a rejected draft (at most one each), out of
+    ``verifications`` (sequences verified)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    verifications: int = 0
 
 
 @dataclass
@@ -64,13 +105,13 @@ def random_draft(
 class DraftProposer:
     """Runs the draft model over its own paged KV arena and proposes tokens per sequence."""
 
-    def __init__(self, draft: LoadedModel, *, num_blocks: int, block_size: int) -> None:
+    def __init__(self, draft: LoadedModel, allocator: BlockAllocator) -> None:
         self.model = draft
-        self.allocator = FreeListAllocator(num_blocks=num_blocks, block_size=block_size)
+        self.allocator = allocator
         self.arena = KVArena(
             num_layers=draft.num_layers,
-            num_blocks=num_blocks,
-            block_size=block_size,
+            num_blocks=allocator.num_blocks,
+            block_size=allocator.block_size,
             num_kv_heads=draft.num_kv_heads,
             head_dim=draft.head_dim,
             dtype=draft.dtype,
@@ -85,7 +126,9 @@ class DraftProposer:
         live = []
         for i, (seq, k) in enumerate(work):
             # Slots for the catch-up tokens and x_1 .. x_{k-1}; x_k is never fed to the draft.
-            if self.allocator.allocate(seq.request_id, seq.num_tokens + k - 1) is not None:
+            grown = self.allocator.allocate(seq.request_id, seq.num_tokens + k - 1)
+            if grown is not None:
+                self.runner.copy_blocks(grown.copies)  # a region allocator may relocate
                 self._computed.setdefault(seq.request_id, 0)
                 live.append(i)
         for j in range(max((work[i][1] for i in live), default=0)):
@@ -125,29 +168,6 @@ class DraftProposer:
         """Drop a sequence's draft KV (a no-op for a sequence the draft never saw)."""
         self.allocator.free(request_id)
         self._computed.pop(request_id, None)
-
-
-def build_proposer(target: LoadedModel, scheduler: Any) -> DraftProposer | None:
-    """The draft proposer a speculative scheduler asks for (None for other schedulers).
-
-    ``scheduler.draft`` is a LoadedModel, a callable building one from the target (e.g.
-    ``functools.partial(noisy_copy, scale=0.1)``), or None for ``random_draft``. The draft
-    arena has as many blocks as the target's, so it holds every running sequence unless the
-    target shares prefix blocks the draft cannot.
-    """
-    if not getattr(scheduler, "num_draft_tokens", 0):
-        return None
-    spec = scheduler.draft
-    draft = spec if isinstance(spec, LoadedModel) else (spec or random_draft)(target)
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"draft model {draft.name!r} has vocabulary {draft.vocab_size}, target "
-            f"{target.name!r} has {target.vocab_size}: speculative decoding needs the same one"
-        )
-    alloc = scheduler.allocator
-    proposer = DraftProposer(draft, num_blocks=alloc.num_blocks, block_size=alloc.block_size)
-    scheduler.release_listeners.append(proposer.release)
-    return proposer
 
 
 def verify(logits: np.ndarray, proposal: Proposal, rows: Callable[[int], SampleRow]) -> Verified:

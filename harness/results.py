@@ -52,7 +52,8 @@ def write_tables(run_dir: str | os.PathLike, requests: pd.DataFrame, steps: pd.D
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    text = json.dumps(_nan_to_none(obj), indent=2) + "\n"  # NaN as null: any JSON reader takes it
+    # NaN as null and infinity as "inf" (vLLM's offline request_rate): any JSON reader takes it
+    text = json.dumps(_plain(obj), indent=2, allow_nan=False) + "\n"
     _atomic(path, lambda tmp: Path(tmp).write_text(text))
 
 
@@ -136,11 +137,13 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _nan_to_none(obj: Any) -> Any:
+def _plain(obj: Any) -> Any:
     if isinstance(obj, float) and math.isnan(obj):
         return None
+    if isinstance(obj, float) and math.isinf(obj):
+        return "inf" if obj > 0 else "-inf"
     if isinstance(obj, dict):
-        return {k: _nan_to_none(v) for k, v in obj.items()}
+        return {k: _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_nan_to_none(v) for v in obj]
+        return [_plain(v) for v in obj]
     return obj

@@ -67,9 +67,10 @@ def _arrival(metadata: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _request_rate(arrival: Mapping[str, Any]) -> float | str | None:
-    if arrival.get("type") == OFFLINE_ARRIVAL:
+    rate = arrival.get("rate") if arrival.get("type") in RATED_ARRIVALS else None
+    if arrival.get("type") == OFFLINE_ARRIVAL or rate == math.inf:
         return "inf"
-    return arrival.get("rate") if arrival.get("type") in RATED_ARRIVALS else None
+    return rate
 
 
 def _burstiness(arrival: Mapping[str, Any]) -> float | None:

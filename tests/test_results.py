@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -66,6 +67,17 @@ def test_summary_round_trips_nan_as_json_null(tmp_path: Path) -> None:
     back = results.read_summary(tmp_path)
     assert math.isnan(back["ttft_mean"]) and back["completed"] == 3
     assert [p.name for p in tmp_path.iterdir()] == [results.SUMMARY_FILE]  # no temp file
+
+
+def test_infinity_is_written_as_the_string_inf(tmp_path: Path) -> None:
+    results.write_summary(tmp_path, {"trace_metadata": {"rate": math.inf, "low": -math.inf}})
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    text = (tmp_path / results.SUMMARY_FILE).read_text()
+    back = json.loads(text, parse_constant=refuse)
+    assert back["trace_metadata"] == {"rate": "inf", "low": "-inf"}
 
 
 def test_a_failed_write_leaves_the_previous_file(tmp_path: Path) -> None:

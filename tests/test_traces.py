@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pandas as pd
@@ -109,10 +110,25 @@ def test_lognormal_and_sharegpt_hit_their_centre():
     assert ShareGPT("prompt").sample(50_000, rng).mean() == pytest.approx(161.31, rel=0.05)
 
 
-@pytest.mark.parametrize("bad", [lambda: Uniform(0, 3), lambda: Poisson(0.0), lambda: Zipf(0.0)])
+@pytest.mark.parametrize(
+    "bad",
+    [lambda: Uniform(0, 3), lambda: Poisson(0.0), lambda: Poisson(math.nan), lambda: Zipf(0.0)],
+)
 def test_invalid_parameters_fail_at_construction(bad):
     with pytest.raises(ValueError):
         bad()
+
+
+@pytest.mark.parametrize("process", [Poisson, Constant, lambda rate: Gamma(rate, 0.25)])
+def test_an_infinite_rate_puts_the_same_requests_at_t0(process):
+    def trace(rate: float):
+        return synthetic(20, 3, 1000, process(rate), Uniform(1, 64), Uniform(1, 16))
+
+    offline, online = trace(math.inf), trace(4.0)
+    assert [r.arrival_time for r in offline] == [0.0] * 20
+    assert len({r.arrival_time for r in online}) == 20
+    same = [(r.request_id, r.prompt_token_ids, r.max_tokens) for r in offline]
+    assert same == [(r.request_id, r.prompt_token_ids, r.max_tokens) for r in online]
 
 
 def _req(i: int, ids: tuple[int, ...], t: float = 0.0) -> TraceRequest:

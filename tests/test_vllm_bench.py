@@ -90,6 +90,7 @@ def test_token_totals_are_exact_integers_after_the_round_trip() -> None:
         ("synthetic", {"type": "Poisson", "rate": 2.0}, 2.0, 1.0),
         ("shared_prefix", {"type": "Constant", "rate": 8.0}, 8.0, None),
         ("synthetic", {"type": "AllAtOnce"}, "inf", None),
+        ("synthetic", {"type": "Poisson", "rate": math.inf}, "inf", 1.0),  # trace.rate=inf
         ("multi_turn", {"type": "Poisson", "rate": 1.0}, None, None),  # conversations/s
     ],
 )

@@ -130,8 +130,8 @@ def run(
         model = _build(cfg.model)
         check_trace(trace, model.vocab_size)
         sampling = _build(cfg.sampling)
-        try:
-            sampling(max_tokens=1, ignore_eos=True)  # bad values fail now, naming the key
+        try:  # bad values fail now, naming the key (min_tokens against the shortest request)
+            sampling(max_tokens=min((r.max_tokens for r in trace), default=1), ignore_eos=True)
         except SamplingParamsError as e:
             raise ValueError(str(e).replace("SamplingParams.", "sampling.", 1)) from None
         speculative = _build(cfg.speculative) if cfg.get("speculative") is not None else None
@@ -151,10 +151,14 @@ def run(
         # First-time costs (allocations, BLAS threads) are the harness's, not the policy's:
         # pay them on a throwaway engine, so the measured one starts with a clean arena,
         # prefix cache and clock. Its buffers go back to MLX's cache for the real one.
-        warm_up(engine, trace, cfg.warmup, sampling)
-        del engine
-        gc.collect()
-        engine = build()
+        try:
+            warm_up(engine, trace, cfg.warmup, sampling)
+            del engine
+            gc.collect()
+            engine = build()
+        except BaseException as e:
+            results.write_failure(out, e)
+            raise
     mx.reset_peak_memory()  # mlx_peak_bytes is this run's, not an earlier job's
     started = time.perf_counter()
     try:

@@ -86,6 +86,16 @@ def test_max_model_len_is_the_engines_and_reaches_every_part(compose_cfg, model)
     assert engine.allocator.held_slots("a") == 640  # 40 blocks of 16 reserved
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_long_max_model_len_raises_the_default_token_budget(compose_cfg, policy) -> None:
+    """As vLLM: without chunking the budget is max(max_model_len, 2048), so a 4096-token
+    model length composes with the bundled policies."""
+    cfg = compose_cfg([f"scheduler={policy}", "engine.max_model_len=4096"])
+    allocator = instantiate(cfg.allocator)(num_blocks=64, block_size=16)
+    scheduler = instantiate(cfg.scheduler)(allocator, max_model_len=4096)
+    assert scheduler.max_num_batched_tokens == 4096
+
+
 def test_max_model_len_defaults_to_and_stays_within_the_models_positions() -> None:
     short = random_model("llama", "tiny", max_position_embeddings=128)
     assert (

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from harness.engine.sampling import (
@@ -48,14 +47,26 @@ def test_filters_by_hand():
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_filters_combine_in_vllm_v1_order():
+    """Probabilities .5 .3 .1 .1 (unnormalised 1, .6, .2, .2). min-p .25 first (vLLM v1)
+    keeps .5 and .3; top-p .6 of what is left (.8) is reached by .5 alone. Top-k 3 then top-p
+    .5 on 1 : 2 : 3 : 4 keeps 3 and 4. A row without filters beside them keeps everything."""
+    probs = np.array([0.5, 0.3, 0.1, 0.1], dtype=np.float32)
+    logits = np.log(np.stack([probs, np.array([1, 2, 3, 4.0]), probs])).astype(np.float32)
+    params = [SamplingParams(min_p=0.25, top_p=0.6), SamplingParams(top_k=3, top_p=0.5)]
+    got = np.asarray(filtered(logits, [*params, SamplingParams()]))
+    want = [[1, 0, 0, 0], [0, 0, 0.75, 1], [1, 0.6, 0.2, 0.2]]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_penalties_and_bans_by_hand():
-    """Prompt [0], output [2, 2, 4]: frequency .5 and presence .1 take 1.1 from token 2 and
-    .6 from token 4; repetition 2 then halves the positive logits of 0, 2 and 4 (a negative
-    one would double); token 3 is banned."""
+    """vLLM's order. Prompt [0], output [2, 2, 4]: repetition 2 first halves the positive
+    logits of 0, 2 and 4 (a negative one would double): 0.5, 1, 1.5; then frequency .5 and
+    presence .1 take 1.1 from token 2 and .6 from token 4; token 3 is banned."""
     logits = np.array([[1.0, -1.0, 2.0, 0.5, 3.0]], dtype=np.float32)
     params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.1, repetition_penalty=2.0)
     got = adjust(logits, [row(params, tokens=[0, 2, 2, 4], prompt=1, banned=[3])])
-    np.testing.assert_allclose(got, [[0.5, -1.0, 0.45, -np.inf, 1.2]], rtol=1e-6)
+    np.testing.assert_allclose(got, [[0.5, -1.0, -0.1, -np.inf, 0.9]], rtol=1e-6)
     assert logits[0, 0] == 1.0  # the input is left alone
 
 
@@ -63,10 +74,12 @@ def test_draw_by_hand():
     """Mass 1, 1, 2 (total 4): u x 4 falls in [0, 1) -> 0, [1, 2) -> 1, [2, 4) -> 2."""
     probs = np.array([[1.0, 1.0, 2.0]] * 3, dtype=np.float32)
     assert draw_tokens(probs, np.array([0.2, 0.3, 0.99], dtype=np.float32)).tolist() == [0, 1, 2]
+    # A uniform that rounds to 1.0 in float32 never lands on a zero-mass tail token.
+    tail = np.array([[1.0, 1.0, 0.0]], dtype=np.float32)
+    assert draw_tokens(tail, np.array([1 - 1e-9])).tolist() == [1]
 
 
-@pytest.mark.parametrize("xp", [np, mx], ids=["numpy", "mlx"])
-def test_numpy_and_mlx_compute_the_same(xp):
+def test_numpy_and_mlx_compute_the_same():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(6, 50)).astype(np.float32) * 3
     params = [
@@ -80,7 +93,7 @@ def test_numpy_and_mlx_compute_the_same(xp):
     rows = [row(p, tokens=[1, 2, 3, 3, 40], prompt=2, banned=(7,)) for p in params]
     uniforms = rng.random(6).astype(np.float32)
     want = draw_tokens(filtered(adjust(logits, rows), params), uniforms).tolist()
-    probs = filtered(adjust(xp.array(logits), rows), params)
+    probs = filtered(adjust(mx.array(logits), rows), params)
     np.testing.assert_allclose(
         np.asarray(probs), filtered(adjust(logits, rows), params), rtol=1e-5, atol=1e-7
     )

@@ -398,3 +398,22 @@ def test_chained_copies_become_one_simultaneous_pass():
 
 def chi_square(observed: np.ndarray, expected: np.ndarray) -> float:
     return float(((observed - expected) ** 2 / expected).sum())
+
+
+def test_a_draft_without_room_verifies_only_what_it_proposed(model):
+    """The radix draft shares no prefix, so with four requests on one 256-token prefix it runs
+    out of blocks before the target does: its proposals shrink. A step then verifies (and
+    records) only the drafts that exist, and a sequence with none decodes plainly."""
+    prefix = list(range(1, 257))
+    prompts = [prefix + [300 + i] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLMEngine.build(model, RadixAllocator, FCFSScheduler, num_blocks=40)
+    expected = tokens(plain.generate(prompts, params))
+    engine = spec_engine(
+        model, RadixAllocator, draft=partial(noisy_copy, scale=0.0), k=4, num_blocks=40
+    )
+    assert tokens(engine.generate(prompts, params)) == expected
+    steps = engine.recorder.steps
+    assert all(r["spec_proposed"] >= r["spec_verifications"] for r in steps)
+    assert any(r["spec_proposed"] < 4 * r["spec_verifications"] for r in steps)
+    assert sum(r["spec_accepted"] for r in steps) == sum(r["spec_proposed"] for r in steps)

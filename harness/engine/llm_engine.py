@@ -33,7 +33,7 @@ from harness.engine.speculative import (
     verify,
 )
 from harness.models import LoadedModel
-from schedulers.base import Scheduler, SchedulerOutput
+from schedulers.base import Scheduled, Scheduler, SchedulerOutput
 from schedulers.request import Status
 
 DEFAULT_MAX_MODEL_LEN = 2048  # for a model whose config sets no max_position_embeddings
@@ -302,6 +302,7 @@ class LLMEngine:
         spec = [(s.seq, s.num_draft_tokens) for s in plan.scheduled if s.num_draft_tokens]
         proposals = self.proposer.propose(spec, self._sample_row) if spec else []
         self._proposals = dict(zip([seq for seq, _ in spec], proposals, strict=True))
+        self._shrink(plan)
         rows = []
         for s in plan.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
@@ -317,6 +318,19 @@ class LLMEngine:
                 )
             )
         return rows
+
+    def _shrink(self, plan: SchedulerOutput) -> None:
+        """A draft with no room proposes fewer tokens than the slots reserved: the plan (and
+        so the figures) and the allocation keep only what is verified; none is a decode."""
+        for i, s in enumerate(plan.scheduled):
+            if not s.num_draft_tokens:
+                continue
+            seq, n = s.seq, len(self._proposals[s.seq].tokens)
+            if n < s.num_draft_tokens:
+                plan.scheduled[i] = Scheduled(seq, 1 + n, num_draft_tokens=n)
+                self.allocator.trim(seq.request_id, seq.num_computed_tokens + 1 + n)
+                if not n:
+                    del self._proposals[seq]
 
     def _postprocess(
         self, plan: SchedulerOutput, logits: mx.array | None, start: float

@@ -148,9 +148,10 @@ def sample(logits: mx.array, rows: Sequence[SampleRow]) -> list[Sampled]:
 
 
 def adjust(logits, rows: Sequence[SampleRow]):
-    """Penalties (vLLM's: frequency and presence on output tokens, repetition on prompt and
-    output) and min_tokens bans for a batch [len(rows), vocab] of numpy or MLX logits; the
-    input is left alone (a copy is changed, only when there is something to change)."""
+    """Penalties in vLLM's order (repetition on prompt and output tokens, then frequency
+    and presence on output tokens) and min_tokens bans for a batch [len(rows), vocab] of
+    numpy or MLX logits; the input is left alone (a copy is changed, only when there is
+    something to change)."""
     xp = _xp(logits)
     if not any(r.params.penalised or r.banned for r in rows):
         return logits
@@ -170,28 +171,32 @@ def adjust(logits, rows: Sequence[SampleRow]):
         if row.banned:
             banned[0].extend([b] * len(row.banned))
             banned[1].extend(row.banned)
-    if penalty[0]:
-        r, t = _index(xp, penalty)
-        logits[r, t] = logits[r, t] - xp.array(np.concatenate(penalty[2]), dtype=logits.dtype)
     if seen[0]:
         r, t = _index(xp, seen)
         vals = logits[r, t]
         rp = xp.array(np.concatenate(seen[2]), dtype=logits.dtype)
         logits[r, t] = xp.where(vals > 0, vals / rp, vals * rp)
+    if penalty[0]:
+        r, t = _index(xp, penalty)
+        logits[r, t] = logits[r, t] - xp.array(np.concatenate(penalty[2]), dtype=logits.dtype)
     if banned[0]:
         logits[xp.array(banned[0]), xp.array(banned[1])] = -np.inf
     return logits
 
 
 def filtered(logits, params: Sequence[SamplingParams]):
-    """Temperature, then top-k, top-p and min-p, per row: unnormalised probabilities of a
-    batch [len(params), vocab] of adjusted logits (numpy or MLX). Top-p keeps the smallest
-    head of the sorted distribution whose mass reaches ``top_p`` (ties at its edge kept)."""
+    """Temperature, then min-p, then top-k and top-p (vLLM v1's order), per row: unnormalised
+    probabilities of a batch [len(params), vocab] of adjusted logits (numpy or MLX). Top-p
+    keeps the smallest head of the sorted distribution whose mass reaches ``top_p`` (ties at
+    its edge kept)."""
     xp = _xp(logits)
     vocab = logits.shape[-1]
     column = partial(_column, xp, logits.dtype)
     scaled = logits / column([p.temperature for p in params])
     probs = xp.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    min_p = [p.min_p for p in params]
+    if max(min_p) > 0:
+        probs = xp.where(probs < column(min_p) * probs.max(axis=-1, keepdims=True), 0.0, probs)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     if min(top_k) < vocab or min(top_p) < 1.0:
@@ -207,17 +212,17 @@ def filtered(logits, params: Sequence[SamplingParams]):
         # would be cut, and a row's tokens would depend on what it is batched with.
         cutoff = xp.where(column(top_p) < 1.0, cutoff, 0.0)
         probs = xp.where(probs < cutoff, 0.0, probs)
-    min_p = [p.min_p for p in params]
-    if max(min_p) > 0:
-        probs = xp.where(probs < column(min_p) * probs.max(axis=-1, keepdims=True), 0.0, probs)
     return probs
 
 
 def draw_tokens(probs, uniforms: np.ndarray):
-    """Inverse-CDF draw per row: the first token whose cumulative mass exceeds ``u x total``."""
+    """Inverse-CDF draw per row: the first token whose cumulative mass exceeds ``u x total``.
+    ``u`` is capped one float32 step below 1 (1 - 2^-23), so ``u x total`` stays below the
+    total and no zero-mass tail token can be drawn."""
     xp = _xp(probs)
     cum = xp.cumsum(probs, axis=-1)
-    target = xp.array(uniforms)[:, None] * cum[:, -1:]
+    u = np.minimum(np.asarray(uniforms, dtype=np.float32), np.float32(1 - 2**-23))
+    target = xp.array(u)[:, None] * cum[:, -1:]
     return xp.minimum((cum <= target).sum(axis=-1), probs.shape[-1] - 1)
 
 

@@ -109,12 +109,12 @@ def check_node(node: DictConfig, path: str, runtime: set[str]) -> None:
             )
         value = _value(node, key, where)
         if isinstance(value, DictConfig) and "_target_" in value:
-            check_node(value, where, runtime)  # e.g. a base policy gets the same arguments
+            check_node(value, where, set())
         elif key in hints and not _matches(value, hints[key]):
             raw = OmegaConf.to_container(node, resolve=False)[key]
             via = f" (from {raw})" if isinstance(raw, str) and "${" in raw else ""
             raise ConfigError(f"{where}={value!r}{via} must be {_type_name(hints[key])}")
-    # A nested partial (e.g. the speculative policy's base scheduler or draft builder) gets
+    # A nested partial (e.g. speculative decoding's draft builder, or a trace's distribution) gets
     # its remaining arguments from the object that calls it, which the config cannot know.
     nested_partial = node.get("_partial_", False) and path.count(".") > 0
     for name, p in params.items():

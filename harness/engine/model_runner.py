@@ -67,7 +67,7 @@ class ModelRunner:
     def forward(
         self, rows: Sequence[Row], overlap: Callable[[], None] | None = None
     ) -> ForwardResult:
-        """Run all rows; decodes and prefill chunks as two batches of one lazy graph.
+        """Run all rows, grouped into padded batches (``group_rows``) of one lazy graph.
 
         ``overlap`` is called while MLX computes (bookkeeping that does not need the result).
         """

@@ -106,8 +106,8 @@ FIGURES = {
         Figure("engine.mixed", "engine", "higher", 0.35),
         Figure("engine.outside_forward", "engine", "lower", 0.6),
         *(Figure(f"allocators.{name}", "allocators", "higher", 0.4) for name in _VARIANTS),
-        Figure("padding.prefill", "padding", "lower", 0.5),
-        Figure("padding.decode", "padding", "lower", 0.5),
+        Figure("padding.prefill", "padding", "lower", 2.0),
+        Figure("padding.decode", "padding", "lower", 2.0),
         Figure("sweep.ttft_p50", "sweep", "lower", 0.35),
         Figure("sweep.throughput", "sweep", "higher", 0.35),
         Figure("sweep.prefix_hit_rate", "sweep", "higher", 0.02),
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     _write_json(out / FILE, report)
     print(format_checks(checks))
-    print(f"figures: {out / FILE}")
+    print(f"wrote {out / FILE}")
 
     if args.update_baseline:
         kept = baseline["figures"] if baseline else {}

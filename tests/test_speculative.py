@@ -417,3 +417,18 @@ def test_a_draft_without_room_verifies_only_what_it_proposed(model):
     assert all(r["spec_proposed"] >= r["spec_verifications"] for r in steps)
     assert any(r["spec_proposed"] < 4 * r["spec_verifications"] for r in steps)
     assert sum(r["spec_accepted"] for r in steps) == sum(r["spec_proposed"] for r in steps)
+
+
+def test_blocks_filled_by_a_finishing_verification_reach_the_prefix_cache(model):
+    """Prompt 14, max_tokens 6, exact draft k=4: the prefill gives token 1, one verification
+    the other 5 and finishes the request, with KV for positions 0..18 in place. Block 0
+    (positions 0..15) filled in that verification: a next request on the same 19 tokens finds
+    it cached (16 tokens), as it would without speculation."""
+    prompt = list(range(1, 15))
+    engine = spec_engine(model, RadixAllocator, draft=partial(noisy_copy, scale=0.0), k=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (first,) = engine.generate([prompt], params)
+    follow_up = prompt + first.outputs[0].token_ids[:5]
+    engine.generate([follow_up], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    cached = {r["request_id"]: r["cached_tokens"] for r in engine.recorder.requests}
+    assert cached == {"gen-0": 0, "gen-1": 16}

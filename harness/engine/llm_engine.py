@@ -393,6 +393,8 @@ class LLMEngine:
         before = seq.num_computed_tokens
         # The last token's KV and the accepted drafts' KV are in place; the rest is not.
         seq.num_computed_tokens += got.accepted + 1
+        # Offered to the prefix cache now: a stop below would free the blocks uncached.
+        self._commit(seq, before, seq.token_ids + got.tokens[: got.accepted])
         finished = False
         for j, token in enumerate(got.tokens):  # stop conditions drop what follows a stop
             if got.top_logprobs is not None:
@@ -402,14 +404,15 @@ class LLMEngine:
         if not finished:
             self.allocator.trim(seq.request_id, seq.num_computed_tokens)
             self.proposer.rollback(seq.request_id, seq.num_computed_tokens)
-            self._commit(seq, before)
         return self._output(seq)
 
-    def _commit(self, seq: Seq, before: int) -> None:
-        """Tell the allocator about newly full blocks of written KV (prefix caches share them)."""
+    def _commit(self, seq: Seq, before: int, token_ids: Sequence[int] | None = None) -> None:
+        """Tell the allocator about newly full blocks of written KV (prefix caches share them);
+        ``token_ids`` when the sequence's own list does not hold them all yet."""
         block_size = self.allocator.block_size
         if seq.num_computed_tokens // block_size > before // block_size:
-            self.allocator.commit(seq.request_id, seq.token_ids[: seq.num_computed_tokens])
+            tokens = seq.token_ids if token_ids is None else token_ids
+            self.allocator.commit(seq.request_id, tokens[: seq.num_computed_tokens])
 
     def _append(self, seq: Seq, token: int, now: float) -> bool:
         """Append a generated token; finish the sequence if it stops here (True)."""

@@ -59,15 +59,7 @@ CASES = {
 
 def measure(loaded: LoadedModel, repeats: int = 5) -> dict[str, tuple[float, float, float]]:
     """Each case of ``CASES``: median seconds of (part A alone, part B alone, both mixed)."""
-    arena = KVArena(
-        num_layers=loaded.num_layers,
-        num_blocks=512,
-        block_size=BLOCK_SIZE,
-        num_kv_heads=loaded.num_kv_heads,
-        head_dim=loaded.head_dim,
-        dtype=loaded.dtype,
-    )
-    runner = ModelRunner(loaded, arena)
+    runner = ModelRunner(loaded, KVArena.for_model(loaded, 512, BLOCK_SIZE))
     rng = np.random.default_rng(0)
     out = {}
     for case, (a, b) in CASES.items():

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from harness.models import LoadedModel
+
 
 class KVArena:
     """Per-layer K and V storage indexed by block id (plus one scratch block)."""
@@ -51,6 +53,18 @@ class KVArena:
         self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         mx.eval(self.keys, self.values)
+
+    @classmethod
+    def for_model(cls, model: LoadedModel, num_blocks: int, block_size: int) -> KVArena:
+        """An arena shaped for ``model``'s KV (layers, KV heads, head size, dtype)."""
+        return cls(
+            num_layers=model.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=model.dtype,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +118,18 @@ class HostBlocks:
 
     keys: list[np.ndarray]
     values: list[np.ndarray]
+
+    @classmethod
+    def for_model(cls, model: LoadedModel, num_blocks: int, block_size: int) -> KVArena:
+        """An arena shaped for ``model``'s KV (layers, KV heads, head size, dtype)."""
+        return cls(
+            num_layers=model.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=model.dtype,
+        )
 
     @property
     def nbytes(self) -> int:

@@ -69,14 +69,7 @@ class LLMEngine:
         self.scheduler = scheduler
         self.clock = clock or VirtualClock()
         self.seed = seed
-        self.arena = KVArena(
-            num_layers=model.num_layers,
-            num_blocks=allocator.num_blocks,
-            block_size=allocator.block_size,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            dtype=model.dtype,
-        )
+        self.arena = KVArena.for_model(model, allocator.num_blocks, allocator.block_size)
         self.runner = ModelRunner(model, self.arena)
         self.proposer = proposer  # the draft model, when speculating
         if proposer is not None:

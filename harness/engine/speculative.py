@@ -108,14 +108,7 @@ class DraftProposer:
     def __init__(self, draft: LoadedModel, allocator: BlockAllocator) -> None:
         self.model = draft
         self.allocator = allocator
-        self.arena = KVArena(
-            num_layers=draft.num_layers,
-            num_blocks=allocator.num_blocks,
-            block_size=allocator.block_size,
-            num_kv_heads=draft.num_kv_heads,
-            head_dim=draft.head_dim,
-            dtype=draft.dtype,
-        )
+        self.arena = KVArena.for_model(draft, allocator.num_blocks, allocator.block_size)
         self.runner = ModelRunner(draft, self.arena)
         self._computed: dict[str, int] = {}  # tokens of each sequence with draft KV
 

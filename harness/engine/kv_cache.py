@@ -119,18 +119,6 @@ class HostBlocks:
     keys: list[np.ndarray]
     values: list[np.ndarray]
 
-    @classmethod
-    def for_model(cls, model: LoadedModel, num_blocks: int, block_size: int) -> KVArena:
-        """An arena shaped for ``model``'s KV (layers, KV heads, head size, dtype)."""
-        return cls(
-            num_layers=model.num_layers,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            dtype=model.dtype,
-        )
-
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)

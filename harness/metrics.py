@@ -45,7 +45,7 @@ STEP_SCHEMA: dict[str, str] = {
     "step": "int",
     "start_time": "float",
     "duration": "float",  # the whole step, scheduling included
-    "forward_time": "float",  # the synchronised model forward
+    "forward_time": "float",  # the forward's graph building + the host blocked on MLX
     "build_time": "float",  # host work building the forward's inputs (before forward_time)
     "batch_size": "int",
     "prefill_tokens": "int",

@@ -92,6 +92,7 @@ def build_engine(
     speculative: Speculation | None = None,
     clock: Literal["virtual", "wall"] = "virtual",
     seed: int = 0,
+    pipeline: bool | None = None,
 ) -> LLMEngine:
     """The ``engine`` config group's target: ``LLMEngine.build`` with the clock named."""
     return LLMEngine.build(
@@ -105,6 +106,7 @@ def build_engine(
         speculative=speculative,
         clock=CLOCKS[clock](),
         seed=seed,
+        pipeline=pipeline,
     )
 
 

@@ -167,9 +167,15 @@ class Scheduler(ABC):
         return None
 
     def finish(self, seq: Request) -> None:
-        """A running sequence is done: release its blocks (cached blocks may stay shared)."""
-        self.running.remove(seq)
+        """A sequence is done: release its blocks (cached blocks may stay shared). It is
+        running, or, when the engine pipelines steps, it may have been preempted after its
+        last token was sampled and before the engine read it."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self._release(seq.request_id)
+        self.host_blocks.pop(seq.request_id, None)
 
     def _release(self, request_id: str) -> None:
         self.allocator.free(request_id)

@@ -108,7 +108,7 @@ def test_teacher_forced_logits_match(model, prompts, allocator, block_size):
             runner.copy_blocks(allocation.copies)
             rows.append(Row(p[lo:hi], lo, alloc.block_table(str(i)), num_logits=hi - lo))
             owners.append((i, hi - lo))
-        logits = runner.forward(rows).logits
+        logits = runner.run(rows)
         k = 0
         for i, n in owners:
             got[i].append(logits[k : k + n])
@@ -247,7 +247,9 @@ def test_a_token_is_stamped_when_it_exists_after_sampling(model, prompts, monkey
 
     monkeypatch.setattr("harness.engine.llm_engine.sample", slow)
     engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=64)
-    engine.add_request("a", prompts[1], dataclasses.replace(GREEDY, max_tokens=1), 0.0)
+    # A sampled request: the host sampler runs (greedy ones sample on the device).
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=1)
+    engine.add_request("a", prompts[1], sampled, 0.0)
     engine.step()
     (row,) = engine.recorder.requests
     (step,) = engine.recorder.steps

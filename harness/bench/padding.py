@@ -45,7 +45,7 @@ def _time(runner: ModelRunner, batches: list[list[Row]], repeats: int) -> list[f
     for round_ in range(repeats + 1):
         for rows, spent in zip(batches, times, strict=True):
             start = time.perf_counter()
-            runner.forward(rows)
+            runner.run(rows)
             if round_:  # round 0 is the warm-up: first-time allocations are not the cost
                 spent.append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]

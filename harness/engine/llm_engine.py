@@ -2,6 +2,16 @@
 
     step():  schedule -> copy blocks -> forward -> sample -> finish/stream -> record
 
+Steps are pipelined one deep, as mlx_lm's BatchGenerator and vLLM's async scheduling do:
+when every row of a step samples on the device (greedy, no penalties, bans or logprobs, no
+drafts to verify), the step launches its forward and its ``argmax`` and returns without
+waiting; the next step schedules, builds and launches its own forward, feeding those tokens
+straight from the device, and only then reads them on the host, stamps them, and applies
+stop conditions. A row computed for a sequence that turns out to have stopped is dropped,
+never emitted. A sequence sure to stop on its pending token (its last by ``max_tokens`` or
+the model length) gives its blocks back before that token is read. ``pipeline`` is on by
+default on a GPU only (see ``LLMEngine.__init__``).
+
 The engine owns the loop and the clock; the scheduler decides, the allocator keeps block
 state, the runner owns MLX. ``add_request`` and ``abort_request`` may be called from other
 threads while one thread drives ``step``: all three take one lock.
@@ -37,6 +47,7 @@ from schedulers.base import Scheduled, Scheduler, SchedulerOutput
 from schedulers.request import Status
 
 DEFAULT_MAX_MODEL_LEN = 2048  # for a model whose config sets no max_position_embeddings
+INFLIGHT = -1  # the place in token_ids of a sampled token still on the device
 
 
 class RequestError(ValueError):
@@ -56,6 +67,7 @@ class LLMEngine:
         clock: Clock | None = None,
         seed: int = 0,
         record: bool = True,
+        pipeline: bool | None = None,
     ) -> None:
         if scheduler.allocator is not allocator:
             raise ValueError("the scheduler must be built over the engine's allocator")
@@ -69,6 +81,12 @@ class LLMEngine:
         self.scheduler = scheduler
         self.clock = clock or VirtualClock()
         self.seed = seed
+        # Steps one deep (see the module docstring); by default on a GPU only. On MLX's CPU
+        # build async_eval returns only when all but the graph's last few dozen ops have
+        # run, and the host then competes with the BLAS threads: pipelined decode measured
+        # 1-25 % slower there, side by side.
+        on_gpu = mx.default_device().type == mx.DeviceType.gpu
+        self.pipeline = on_gpu if pipeline is None else pipeline
         self.arena = KVArena.for_model(model, allocator.num_blocks, allocator.block_size)
         self.runner = ModelRunner(model, self.arena)
         self.proposer = proposer  # the draft model, when speculating
@@ -83,6 +101,12 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # aborts and rejections, returned next step
         self._num_added = 0
         self._host: dict[str, HostBlocks] = {}  # KV of swapped-out requests
+        # Pipelined steps: the tokens the last step sampled, still on the device, with the
+        # sequence and place each goes to; sequences already released to stop on theirs.
+        self._inflight: list[tuple[Seq, int]] = []
+        self._inflight_tokens: mx.array | None = None
+        self._draining: set[Seq] = set()
+        self._waited = 0.0  # this step's seconds blocked on MLX
 
     @classmethod
     def build(
@@ -180,17 +204,19 @@ class LLMEngine:
         with self._lock:
             seq = self.scheduler.abort(request_id)
             if seq is not None:
+                if seq.token_ids[-1] == INFLIGHT:  # its pending token is never emitted
+                    seq.token_ids.pop()
                 self._finish(seq, "abort", self.clock.now(), abort_reason="aborted by the user")
                 self._pending.append(self._output(seq))
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or an abort's output is not yet returned."""
         with self._lock:
-            return self.scheduler.has_unfinished() or bool(self._pending)
+            return self.scheduler.has_unfinished() or bool(self._pending or self._inflight)
 
     def get_num_unfinished_requests(self) -> int:
         with self._lock:
-            return self.scheduler.num_unfinished()
+            return self.scheduler.num_unfinished() + len(self._draining)
 
     # -- the loop ------------------------------------------------------------------------
     def step(self, next_arrival: float | None = None) -> list[RequestOutput]:
@@ -219,33 +245,98 @@ class LLMEngine:
     def _run(
         self, plan: SchedulerOutput, start: float, now: float, swap_time: float
     ) -> list[RequestOutput]:
-        """The forward, sampling and the step's row (its memory figures taken while the
-        forward computes); the clock advances by the step's measured duration."""
+        """Launch the forward, then take the step's memory figures and read the previous
+        step's tokens while it computes; sample (on the device when pipelined, else after
+        waiting); record the step. The clock advances by the step's measured duration."""
         self._verifications = Verifications()
-        snapshot = []
-
-        def take_snapshot() -> None:
-            snapshot.append(self.recorder.snapshot(self.scheduler, plan))
-
-        outputs, forward_time, build_time = [], 0.0, 0.0
+        self._waited = 0.0
+        pipelined = self.pipeline and self._on_device(plan)
+        outputs = [] if pipelined else self._resolve(start)  # rows need every token on host
+        forward = tokens = None
         if plan.scheduled:
-            result = self.runner.forward(self._rows(plan), overlap=take_snapshot)
-            forward_time, build_time = result.forward_time, result.build_time
-            outputs = self._postprocess(plan, result.logits, start)
-        else:
-            take_snapshot()
+            forward = self.runner.forward(self._rows(plan), self._inflight_tokens)
+            if pipelined and forward.logits is not None:
+                tokens = mx.argmax(forward.logits, axis=-1)
+            wanted = tokens if pipelined else forward.logits
+            launched = time.perf_counter()
+            self.runner.launch([] if wanted is None else [wanted])  # blocks on MLX's CPU build
+            self._waited += time.perf_counter() - launched
+        snapshot = self.recorder.snapshot(self.scheduler, plan)
+        outputs += self._resolve(start)
+        if forward is not None:
+            if pipelined:
+                self._carry(plan, tokens)
+            else:
+                waited = time.perf_counter()
+                self.runner.wait([] if forward.logits is None else [forward.logits])
+                self._waited += time.perf_counter() - waited
+                outputs += self._postprocess(plan, forward.logits, start)
         duration = time.perf_counter() - start
         self.clock.advance(duration)
         self.recorder.step(
             plan,
-            snapshot[0],
+            snapshot,
             now,
             duration,
-            forward_time,
-            build_time,
+            forward_time=(forward.graph_time if forward else 0.0) + self._waited,
+            build_time=forward.build_time if forward else 0.0,
             swap_time=swap_time,
             verifications=self._verifications,
         )
+        return outputs
+
+    def _on_device(self, plan: SchedulerOutput) -> bool:
+        """Every row that samples this step can sample on the device, from logits alone."""
+        for s in plan.scheduled:
+            seq, p = s.seq, s.seq.params
+            if s.num_draft_tokens:
+                return False
+            samples = seq.num_computed_tokens + s.num_new_tokens == seq.num_tokens
+            if samples and not (
+                p.greedy and not p.penalised and not p.min_tokens and p.logprobs is None
+            ):
+                return False
+        return True
+
+    def _carry(self, plan: SchedulerOutput, tokens: mx.array | None) -> None:
+        """A pipelined step's bookkeeping: its KV is written, and each sampling row's token
+        (row k of ``tokens``, on the device) gets its place in the sequence, a placeholder
+        until the next step reads it. A sequence that stopped on the previous step's token
+        drops this step's row."""
+        k = 0
+        for s in plan.scheduled:
+            seq = s.seq
+            samples = seq.num_computed_tokens + s.num_new_tokens == seq.num_tokens
+            if not seq.finished:
+                before = seq.num_computed_tokens
+                seq.num_computed_tokens += s.num_new_tokens
+                self._commit(seq, before)
+                if samples:
+                    seq.token_ids.append(INFLIGHT)
+                    self._inflight.append((seq, k))
+                    if self._last_token(seq):
+                        self.scheduler.finish(seq)
+                        self._draining.add(seq)
+            k += samples
+        self._inflight_tokens = tokens if self._inflight else None
+
+    def _resolve(self, start: float) -> list[RequestOutput]:
+        """Read the tokens still on the device (waiting for them), stamp them when they
+        exist on the host, and apply stop conditions."""
+        if not self._inflight:
+            return []
+        waited = time.perf_counter()
+        tokens = self._inflight_tokens.tolist()
+        self._waited += time.perf_counter() - waited
+        now = self.clock.after(time.perf_counter() - start)
+        outputs = []
+        for seq, k in self._inflight:
+            if seq.finished:  # aborted while its token computed
+                continue
+            seq.token_ids[-1] = tokens[k]
+            self._emitted(seq, tokens[k], now)
+            outputs.append(self._output(seq))
+        self._inflight, self._inflight_tokens = [], None
         return outputs
 
     def _idle(self, plan: SchedulerOutput, next_arrival: float | None) -> None:
@@ -296,18 +387,22 @@ class LLMEngine:
         proposals = self.proposer.propose(spec, self._sample_row) if spec else []
         self._proposals = dict(zip([seq for seq, _ in spec], proposals, strict=True))
         self._shrink(plan)
+        inflight = {seq: k for seq, k in self._inflight}
         rows = []
         for s in plan.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens - s.num_draft_tokens
             # A verification feeds the last token and the drafts, and wants logits for each.
             drafts = self._proposals[seq].tokens if s.num_draft_tokens else []
+            # The previous step's token, not yet on the host, is fed from the device.
+            carried = ((end - 1 - start, inflight[seq]),) if seq in inflight else ()
             rows.append(
                 Row(
                     tokens=seq.token_ids[start:end] + drafts,
                     start=start,
                     table=self.allocator.block_table(seq.request_id),
                     num_logits=1 + len(drafts) if end == seq.num_tokens else 0,
+                    carried=carried,
                 )
             )
         return rows
@@ -410,14 +505,27 @@ class LLMEngine:
     def _append(self, seq: Seq, token: int, now: float) -> bool:
         """Append a generated token; finish the sequence if it stops here (True)."""
         seq.token_ids.append(token)
+        return self._emitted(seq, token, now)
+
+    def _emitted(self, seq: Seq, token: int, now: float) -> bool:
+        """``token``, the sequence's last, exists on the host at ``now``: stamp it and
+        finish the sequence if it stops here (True)."""
         seq.token_times.append(now)
         if seq.first_token_time is None:
             seq.first_token_time = now
         reason, stop_reason = self._stop(seq, token)
         if reason:
-            self.scheduler.finish(seq)
+            if seq in self._draining:
+                self._draining.discard(seq)
+            else:
+                self.scheduler.finish(seq)
             self._finish(seq, reason, now, stop_reason=stop_reason)
         return reason is not None
+
+    def _last_token(self, seq: Seq) -> bool:
+        """The sequence stops on its last token whatever it is (max_tokens, model length)."""
+        limit = self.scheduler.max_seq_len
+        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= limit
 
     def _sample_row(self, seq: Seq, drafts: Sequence[int] = ()) -> SampleRow:
         """The sampler's view of ``seq``, with ``drafts`` appended when verifying them."""
@@ -441,7 +549,7 @@ class LLMEngine:
                 for s in p.stop:
                     if s in text:
                         return "stop", s
-        if n >= p.max_tokens or seq.num_tokens >= self.scheduler.max_seq_len:
+        if self._last_token(seq):
             return "length", None
         return None, None
 

@@ -25,21 +25,27 @@ from harness.models import LoadedModel
 @dataclass(frozen=True)
 class Row:
     """One sequence's work this step: feed ``tokens`` from position ``start`` on, read its
-    blocks ``table``, and return logits for the last ``num_logits`` fed positions."""
+    blocks ``table``, and return logits for the last ``num_logits`` fed positions.
+
+    ``carried``: (position in ``tokens``, index into the ``carried`` tokens given to
+    ``forward``) for tokens the previous step sampled and the host has not seen yet (their
+    place in ``tokens`` holds a placeholder)."""
 
     tokens: Sequence[int]
     start: int
     table: Sequence[int]
     num_logits: int = 1
+    carried: Sequence[tuple[int, int]] = ()
 
 
 @dataclass
-class ForwardResult:
-    """Logits of the rows that asked for them ([sum num_logits, vocab], in row order)."""
+class Forward:
+    """A step's forward as a lazy graph: logits of the rows that asked for them
+    ([sum num_logits, vocab], in row order), nothing evaluated yet."""
 
     logits: mx.array | None
     build_time: float  # building index arrays (Python + numpy)
-    forward_time: float  # graph construction and evaluation of the model forward
+    graph_time: float  # building the model's lazy graph
 
 
 class ModelRunner:
@@ -64,18 +70,17 @@ class ModelRunner:
         """Write host blocks ``first, first + 1, ...`` back into device ``blocks``."""
         self.arena.swap_in(host, blocks, first)
 
-    def forward(
-        self, rows: Sequence[Row], overlap: Callable[[], None] | None = None
-    ) -> ForwardResult:
-        """Run all rows, grouped into padded batches (``group_rows``) of one lazy graph.
-
-        ``overlap`` is called while MLX computes (bookkeeping that does not need the result).
-        """
+    def forward(self, rows: Sequence[Row], carried: mx.array | None = None) -> Forward:
+        """Build all rows' forward, grouped into padded batches (``group_rows``) of one
+        lazy graph. Nothing is evaluated: ``launch`` starts it, ``wait`` blocks on it."""
         t0 = time.perf_counter()
         groups = group_rows(rows, self.key_cost)
         plans = [self._plan([rows[i] for i in g]) for g in groups]
         t1 = time.perf_counter()
-        outputs = [self._run(*plan) for plan in plans]
+        outputs = [
+            self._run(_with_carried(inputs, [rows[i] for i in g], carried), layout, picks)
+            for g, (inputs, layout, picks) in zip(groups, plans, strict=True)
+        ]
         order = [i for g in groups for i in g]
         logits = None
         parts = [o for o in outputs if o is not None]
@@ -85,12 +90,21 @@ class ModelRunner:
             wanted = [i for i in order if rows[i].num_logits]
             if wanted != sorted(wanted):
                 logits = logits[mx.array(_regroup(rows, order))]
-        results = [logits if logits is not None else [], self.arena.keys, self.arena.values]
-        mx.async_eval(results)
-        if overlap is not None:
-            overlap()
-        mx.eval(results)
-        return ForwardResult(logits, t1 - t0, time.perf_counter() - t1)
+        return Forward(logits, t1 - t0, time.perf_counter() - t1)
+
+    def run(self, rows: Sequence[Row]) -> mx.array | None:
+        """A synchronised forward: the rows' logits, computed, with the arena's writes."""
+        logits = self.forward(rows).logits
+        self.wait([] if logits is None else [logits])
+        return logits
+
+    def launch(self, outputs: Sequence[mx.array]) -> None:
+        """Start computing ``outputs`` and the arena's writes; returns at once."""
+        mx.async_eval(*outputs, self.arena.keys, self.arena.values)
+
+    def wait(self, outputs: Sequence[mx.array]) -> None:
+        """Block until ``outputs`` and the arena's writes are computed."""
+        mx.eval(*outputs, self.arena.keys, self.arena.values)
 
     def _plan(self, rows: Sequence[Row]):
         width = max(len(r.tokens) for r in rows)
@@ -154,6 +168,17 @@ def group_rows(rows: Sequence[Row], key_cost: float) -> list[list[int]]:
         groups.append([i])
         q, c = qi, ci
     return groups
+
+
+def _with_carried(inputs: mx.array, rows: Sequence[Row], carried: mx.array | None) -> mx.array:
+    """``inputs`` [B, L] with each row's carried tokens put in place, still lazily."""
+    width = inputs.shape[1]
+    at = [(b * width + j, k) for b, r in enumerate(rows) for j, k in r.carried]
+    if not at:
+        return inputs
+    flat = inputs.reshape(-1)
+    flat[mx.array([p for p, _ in at])] = carried[mx.array([k for _, k in at])].astype(mx.int32)
+    return flat.reshape(inputs.shape)
 
 
 def _end(row: Row) -> int:

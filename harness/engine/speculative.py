@@ -127,7 +127,7 @@ class DraftProposer:
         for j in range(max((work[i][1] for i in live), default=0)):
             batch = [i for i in live if work[i][1] > j]
             rows = [self._row(work[i][0], proposals[i], j) for i in batch]
-            table = np.array(self.runner.forward(rows).logits)
+            table = np.array(self.runner.run(rows))
             for b, i in enumerate(batch):
                 seq, proposal = work[i][0], proposals[i]
                 row = row_for(seq, proposal.tokens)

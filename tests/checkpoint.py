@@ -9,9 +9,8 @@ before, so EOS stopping runs for real on the token the tokenizer and config.json
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,7 +24,7 @@ from harness.models import random_model
 
 PROMPT = "the ship of"
 EOS_AT = 10
-MAX_VOCAB = 384
+MAX_VOCAB = 384  # the trainer's cap: the made-up text yields fewer merges (~325 tokens)
 # Small enough for a test to load and run in a second or two.
 DIMS = dict(
     hidden_size=64,
@@ -75,7 +74,7 @@ def write_checkpoint(folder: Path, seed: int = 0) -> Checkpoint:
     loaded = random_model("llama", "tiny", seed=seed, vocab_size=len(tokenizer), **DIMS)
     model = loaded.model
     head = model.lm_head.weight
-    head[eos] = 0  # random logits of ~400 tokens have a positive maximum: EOS never wins
+    head[eos] = 0  # random logits of ~300 tokens have a positive maximum: EOS never wins
     prompt = tokenizer.encode(PROMPT)
     tokens = mlx_lm_tokens(loaded, prompt, EOS_AT)
     # The EOS row that gives logit 0 at every earlier position (below their positive maximum)
@@ -85,11 +84,10 @@ def write_checkpoint(folder: Path, seed: int = 0) -> Checkpoint:
     target[-1] = mx.max(model.lm_head(hidden[-1])).item() + 2.0
     row = np.linalg.lstsq(np.array(hidden), target, rcond=None)[0]
     head[eos] = mx.array(row)
-    model.lm_head.weight = head
     mx.eval(model.parameters())
 
     save_model(folder, model)
-    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
+    config = {k: v for k, v in asdict(model.args).items() if v is not None}
     config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos)
     save_config(config, folder / "config.json")
     tokenizer.save_pretrained(folder)

@@ -92,6 +92,18 @@ def test_a_stop_string_cuts_the_text_before_it(pretrained, engine):
     assert completion.text == text[: text.index(stop)]
 
 
+def test_a_stop_token_id_ends_token_ids_but_not_the_text(pretrained, engine):
+    (ref,) = engine.generate([PROMPT], GREEDY)
+    tokens = ref.outputs[0].token_ids
+    k = next(k for k in range(2, len(tokens)) if tokens[k] not in tokens[:k])
+    params = dataclasses.replace(GREEDY, stop_token_ids=(tokens[k],))
+    (out,) = engine.generate([PROMPT], params)
+    completion = out.outputs[0]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", tokens[k])
+    assert completion.token_ids == tokens[: k + 1]
+    assert completion.text == pretrained.tokenizer.decode(tokens[:k])
+
+
 def test_kvbench_runs_a_checkpoint_from_its_folder(checkpoint, kvbench, tmp_path: Path):
     kvbench(
         "model=pretrained",

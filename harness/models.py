@@ -137,17 +137,55 @@ def noisy_copy(loaded: LoadedModel, scale: float, seed: int = 0) -> LoadedModel:
 
 
 def load_pretrained(path: str) -> LoadedModel:
-    """Load real weights and tokenizer with ``mlx_lm.load`` from a local path."""
-    from mlx_lm import load
+    """Load real weights and tokenizer from a local mlx_lm checkpoint folder, as ``mlx_lm.load``.
 
-    if not Path(path).expanduser().is_dir():
+    The folder holds what ``mlx_lm.convert`` writes: config.json, model*.safetensors and the
+    tokenizer's files. Nothing is downloaded. A folder mlx_lm cannot load raises ``ValueError``
+    naming ``model.path`` and what is wrong with it.
+    """
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    folder = Path(path).expanduser()
+    checkpoint = "a local mlx_lm checkpoint (config.json, model*.safetensors, tokenizer files)"
+    if not folder.exists():
         raise ValueError(
-            f"model.path={path!r} is not a directory: point it at a local mlx_lm checkpoint "
-            "(a folder with config.json, the weights and the tokenizer)"
+            f"model.path={path!r} does not exist: point it at the folder of {checkpoint}; "
+            "kvbench does not download models"
         )
-    model, tokenizer = load(str(Path(path).expanduser()))
-    eos = tuple(sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
+    if not folder.is_dir():
+        raise ValueError(f"model.path={path!r} is a file: point it at the folder of {checkpoint}")
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"model.path={path!r} has no config.json: point it at the folder of {checkpoint}"
+        )
+    if not any(folder.glob("model*.safetensors")):
+        raise ValueError(
+            f"model.path={path!r} has no weights (model*.safetensors): point it at the folder "
+            f"of {checkpoint}, e.g. one written by mlx_lm.convert"
+        )
+    try:
+        model, config = load_model(folder)
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise ValueError(
+            f"model.path={path!r}: mlx_lm cannot build a model from its config.json and weights "
+            f"({_one_line(e)}); fix config.json or re-convert the model with mlx_lm.convert"
+        ) from e
+    try:
+        tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise ValueError(
+            f"model.path={path!r}: its tokenizer does not load ({_one_line(e)}); the folder "
+            "needs the tokenizer's files (tokenizer.json, tokenizer_config.json)"
+        ) from e
+    eos = tuple(sorted(tokenizer.eos_token_ids))
     return describe(model, name=path, tokenizer=tokenizer, eos_token_ids=eos)
+
+
+def _one_line(error: Exception) -> str:
+    """An error's message on one line; a KeyError's is the missing key."""
+    if isinstance(error, KeyError):
+        return f"no key {error.args[0]!r}"
+    return " ".join(str(error).split())
 
 
 def describe(model: nn.Module, name: str, **extra: Any) -> LoadedModel:

@@ -187,7 +187,6 @@ def test_two_runs_started_together_write_two_folders(tmp_path: Path) -> None:
         ("engine.num_blocks=0", r"engine\.num_blocks=0 must be at least 1"),
         ("engine.num_blocks=abc", r"engine\.num_blocks='abc' must be int"),
         ("trace=file trace.path=/no/such.jsonl", r"trace\.path='/no/such\.jsonl' is not a file"),
-        ("model=pretrained model.path=/no/such/dir", r"model\.path='/no/such/dir' is not a dir"),
         ("+allocator.blok_size=3", r"allocator\.blok_size is not a parameter.*no options"),
         ("allocator=radix allocator.eviction=nope", r"allocator\.eviction='nope' must be one of"),
         ("sampling.top_p=2", r"sampling\.top_p=2 is invalid: it must be in \(0, 1\]"),

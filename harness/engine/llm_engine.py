@@ -587,7 +587,12 @@ class LLMEngine:
 
     def _text(self, seq: Seq) -> str:
         tokenizer = self.model.tokenizer
-        return tokenizer.decode(seq.output_token_ids) if tokenizer is not None else ""
+        if tokenizer is None:
+            return ""
+        ids = seq.output_token_ids
+        if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str):
+            ids = ids[:-1]  # as vLLM, the EOS or stop token id that ended it is not text
+        return tokenizer.decode(ids)
 
     def _tokenize(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

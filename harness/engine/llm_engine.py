@@ -394,8 +394,10 @@ class LLMEngine:
             end = start + s.num_new_tokens - s.num_draft_tokens
             # A verification feeds the last token and the drafts, and wants logits for each.
             drafts = self._proposals[seq].tokens if s.num_draft_tokens else []
-            # The previous step's token, not yet on the host, is fed from the device.
-            carried = ((end - 1 - start, inflight[seq]),) if seq in inflight else ()
+            # The previous step's token, not yet on the host, is fed from the device (it is
+            # the sequence's last; a recomputed prefix chunk that stops short never feeds it).
+            fed = seq in inflight and end == seq.num_tokens
+            carried = ((end - 1 - start, inflight[seq]),) if fed else ()
             rows.append(
                 Row(
                     tokens=seq.token_ids[start:end] + drafts,

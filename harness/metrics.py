@@ -60,6 +60,8 @@ STEP_SCHEMA: dict[str, str] = {
     "blocks_used": "int",
     "blocks_free": "int",
     "blocks_cached": "int",
+    "block_refs": "int",  # block-table entries of running sequences
+    "blocks_shared": "int",  # of those, entries served by a block another entry also holds
     "slots_tokens": "int",  # KV slots holding token states once the step's writes are done
     "slots_future": "int",  # allocated slots their holder fills later
     "slots_internal": "int",  # allocated slots never filled (block/region slack)
@@ -96,6 +98,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "blocks_used_peak",
     "blocks_used_mean",
     "external_fragmentation_mean",
+    "kv_sharing_saving",
     "prefix_hit_rate",
     "preemptions",
     "spec_acceptance_rate",
@@ -218,7 +221,10 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     each step by its duration (a time average over the engine's busy time), ``_peak`` is
     the step with the most allocated slots (tokens+future+internal); kv_utilisation =
     time-weighted tokens / time-weighted allocated; blocks_used_mean and
-    external_fragmentation_mean are time-weighted too. prefix_hit_rate and preemptions use
+    external_fragmentation_mean are time-weighted too. kv_sharing_saving (the vLLM paper's
+    memory saving of parallel sampling and beam search, its section 6.3) = time-weighted
+    blocks_shared / time-weighted block_refs: the share of block-table entries that sharing
+    (fork, prefix cache) serves without a block of their own. prefix_hit_rate and preemptions use
     all requests. Speculative decoding as Leviathan et al. (ICML 2023) define it:
     acceptance rate alpha = accepted / (accepted + rejected), each verification stopping at
     its first rejected draft; tokens per verification = 1 + accepted per sequence
@@ -274,6 +280,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
         blocks_used_peak=float(st["blocks_used"].max()) if len(st) else math.nan,
         blocks_used_mean=over_time(st["blocks_used"]),
         external_fragmentation_mean=over_time(st["external_fragmentation"]),
+        kv_sharing_saving=_ratio(over_time(st["blocks_shared"]), over_time(st["block_refs"])),
         prefix_hit_rate=_ratio(req["cached_tokens"].sum(), req["prompt_tokens"].sum()),
         preemptions=int(req["preemptions"].sum()),
         spec_acceptance_rate=_ratio(accepted, accepted + st["spec_rejected"].sum()),

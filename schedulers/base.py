@@ -166,6 +166,22 @@ class Scheduler(ABC):
                     return seq
         return None
 
+    def fork(self, parent: Request, child: Request) -> Allocation | None:
+        """Run ``child`` beside ``parent`` on the parent's KV (parallel sampling): the
+        allocator shares or copies the parent's blocks (``Allocation.copies`` for the
+        engine). Without room, or at ``max_num_seqs``, the child waits and recomputes."""
+        alloc = None
+        if len(self.running) < self.max_num_seqs:
+            alloc = self.allocator.fork(parent.request_id, child.request_id)
+        if alloc is None:
+            child.num_computed_tokens = 0
+            self.add(child)
+            return None
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = Status.RUNNING
+        self.running.append(child)
+        return alloc
+
     def finish(self, seq: Request) -> None:
         """A sequence is done: release its blocks (cached blocks may stay shared). It is
         running, or, when the engine pipelines steps, it may have been preempted after its

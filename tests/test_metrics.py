@@ -70,10 +70,10 @@ def hand_tables():
     # Steps of 1, 3 and 2 s: means over time weigh them so (per-step means would not).
     steps = [
         _step(0, 10, 20, 5, 5, blocks_used=4, mlx_peak_bytes=100, spec_proposed=4,
-              spec_rejected=1, spec_verifications=1),
+              spec_rejected=1, spec_verifications=1, block_refs=8, blocks_shared=4),
         _step(1, 30, 10, 10, 0, duration=3.0, blocks_used=6, mlx_peak_bytes=300,
               external_fragmentation=0.5, spec_proposed=8, spec_accepted=6, spec_rejected=1,
-              spec_verifications=2),
+              spec_verifications=2, block_refs=6),
         _step(2, 0, 0, 0, 0, duration=2.0, blocks_used=0, mlx_peak_bytes=200),
     ]  # fmt: skip
     return requests_frame(requests), steps_frame(steps)
@@ -110,6 +110,8 @@ def test_hand_built_memory_and_spec(hand_tables):
     assert s["kv_utilisation"] == pytest.approx((10 + 3 * 30) / (35 + 3 * 50))
     assert (s["blocks_used_peak"], s["blocks_used_mean"]) == (6, pytest.approx((4 + 18) / 6))
     assert s["external_fragmentation_mean"] == pytest.approx(1.5 / 6)
+    # Sharing: 4 of 8 table entries shared for 1 s, none of 6 for 3 s (vLLM paper, 6.3).
+    assert s["kv_sharing_saving"] == pytest.approx(4 / (8 + 3 * 6))
     # Leviathan et al.: 6 accepted, 2 verifications stopped at a rejection -> alpha 6/8;
     # 3 verifications gave 6 + 3 tokens; vLLM's draft acceptance: 6 of 12 proposed.
     assert s["spec_acceptance_rate"] == pytest.approx(0.75)
@@ -230,6 +232,8 @@ def _reference(reqs, steps, clock):
     out["blocks_used_peak"] = max(s["blocks_used"] for s in steps)
     out["blocks_used_mean"] = over_time([s["blocks_used"] for s in steps])
     out["external_fragmentation_mean"] = over_time([s["external_fragmentation"] for s in steps])
+    shared, refs = (over_time([s[k] for s in steps]) for k in ("blocks_shared", "block_refs"))
+    out["kv_sharing_saving"] = shared / refs if refs > 0 else math.nan
     out["prefix_hit_rate"] = sum(r["cached_tokens"] for r in reqs) / sum(
         r["prompt_tokens"] for r in reqs
     )
@@ -288,6 +292,8 @@ def _random_tables(seed):
                 d - c,
                 total=total,
                 blocks_used=rng.randint(0, 32),
+                block_refs=(refs := rng.randint(0, 32)),
+                blocks_shared=rng.randint(0, refs),
                 external_fragmentation=rng.random(),
                 mlx_peak_bytes=rng.randint(0, 10**9),
                 duration=rng.choice([rng.uniform(0.001, 2.0), 0.0]),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -106,6 +107,7 @@ class LLMEngine:
         self._inflight: list[tuple[Seq, int]] = []
         self._inflight_tokens: mx.array | None = None
         self._draining: set[Seq] = set()
+        self._groups: dict[str, list[Seq]] = {}  # completions of requests with n > 1
         self._waited = 0.0  # this step's seconds blocked on MLX
 
     @classmethod
@@ -177,21 +179,28 @@ class LLMEngine:
         arrived = self.clock.now() if arrival_time is None else arrival_time
         params = sampling_params or SamplingParams()
         tokens = self._tokenize(request_id, prompt)
+        if params.n > 1 and self.proposer is not None:
+            raise RequestError(
+                f"request {request_id!r}: SamplingParams.n={params.n} with speculative decoding "
+                "is not supported; use n=1 or run without speculative"
+            )
         if params.stop and self.model.tokenizer is None:
             raise RequestError(
                 f"request {request_id!r}: SamplingParams.stop needs a tokenizer, and model "
                 f"{self.model.name!r} has none; use stop_token_ids instead"
             )
         with self._lock:
-            if request_id in self._requests:
+            if request_id in self._requests or request_id in self._groups:
                 raise RequestError(f"request_id {request_id!r} is already in use: pick a new one")
+            seed = self.seed * 1_000_003 + self._num_added
             seq = Seq(
                 request_id=request_id,
                 token_ids=tokens,
                 params=params,
                 arrival_time=arrived,
                 priority=priority,
-                rng=make_rng(params, self.seed * 1_000_003 + self._num_added),
+                rng=make_rng(params, seed),
+                seed=params.seed if params.seed is not None else seed,
                 ttft_slo=ttft_slo,
                 tpot_slo=tpot_slo,
             )
@@ -202,8 +211,12 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state; its blocks are free when this returns."""
         with self._lock:
-            seq = self.scheduler.abort(request_id)
-            if seq is not None:
+            group = self._groups.get(request_id)
+            ids = [s.request_id for s in group] if group else [request_id]
+            for rid in ids:
+                seq = self.scheduler.abort(rid)
+                if seq is None:
+                    continue
                 if seq.token_ids[-1] == INFLIGHT:  # its pending token is never emitted
                     seq.token_ids.pop()
                 self._finish(seq, "abort", self.clock.now(), abort_reason="aborted by the user")
@@ -232,7 +245,8 @@ class LLMEngine:
             swap_time = self._move_blocks(plan)
             outputs += self._run(plan, start, now, swap_time)
             self._idle(plan, next_arrival)
-            return outputs
+            # One output per request: its completions progress together (n > 1).
+            return list({out.request_id: out for out in outputs}.values())
 
     def _rejected(self, plan: SchedulerOutput, now: float) -> list[RequestOutput]:
         """Outputs of pending aborts and of requests the scheduler rejected this step."""
@@ -293,7 +307,11 @@ class LLMEngine:
                 return False
             samples = seq.num_computed_tokens + s.num_new_tokens == seq.num_tokens
             if samples and not (
-                p.greedy and not p.penalised and not p.min_tokens and p.logprobs is None
+                p.greedy
+                and not p.penalised
+                and not p.min_tokens
+                and p.logprobs is None
+                and p.n == 1
             ):
                 return False
         return True
@@ -438,11 +456,15 @@ class LLMEngine:
             seq.num_computed_tokens += s.num_new_tokens
             self._commit(seq, before)
             if seq.num_computed_tokens == seq.num_tokens:
-                to_sample.append(seq)
-                picks.append(offset)
+                # The prompt is done: n > 1 forks the other completions off it, each
+                # sampling its first token from the same logits.
+                fork = seq.params.n > 1 and seq.group_id not in self._groups
+                for completion in [seq, *self._fork(seq)] if fork else [seq]:
+                    to_sample.append(completion)
+                    picks.append(offset)
                 offset += 1
         verified = self._verify(plan, logits, verifying) if verifying else []
-        if verifying:
+        if picks != list(range(offset)):
             logits = logits[mx.array(picks, dtype=mx.int32)] if picks else None
         sampled = sample(logits, [self._sample_row(seq) for seq in to_sample]) if to_sample else []
         now = self.clock.after(time.perf_counter() - start)
@@ -453,6 +475,34 @@ class LLMEngine:
             self._append(seq, pick.token, now)
             outputs.append(self._output(seq))
         return outputs
+
+    def _fork(self, parent: Seq) -> list[Seq]:
+        """The other n - 1 completions of ``parent``'s request, on its prompt's KV (shared
+        or copied by the allocator); completion i samples with seed ``seed + i`` (vLLM)."""
+        params, group = parent.params, [parent]
+        for i in range(1, params.n):
+            child = Seq(
+                request_id=f"{parent.request_id}/{i}",
+                token_ids=list(parent.token_ids),
+                params=params,
+                arrival_time=parent.arrival_time,
+                priority=parent.priority,
+                rng=make_rng(replace(params, seed=parent.seed + i), 0),
+                seed=parent.seed + i,
+                ttft_slo=parent.ttft_slo,
+                tpot_slo=parent.tpot_slo,
+                index=i,
+                group_id=parent.group_id,
+            )
+            child.first_scheduled_time = parent.first_scheduled_time
+            child.num_cached_tokens = parent.num_computed_tokens  # its prompt KV is shared
+            self._requests[child.request_id] = child
+            allocation = self.scheduler.fork(parent, child)
+            if allocation is not None:
+                self.runner.copy_blocks(allocation.copies)
+            group.append(child)
+        self._groups[parent.group_id] = group
+        return group[1:]
 
     def _verify(
         self, plan: SchedulerOutput, logits: mx.array, at: dict[Seq, int]
@@ -566,25 +616,31 @@ class LLMEngine:
         self.recorder.request(seq)
 
     def _output(self, seq: Seq) -> RequestOutput:
-        finished = seq.finished
-        text = self._text(seq) if finished else ""
+        """The request's output: all its completions (n > 1), finished when all are."""
+        group = self._groups.get(seq.group_id, [seq])
+        finished = all(s.finished for s in group)
+        if finished:
+            self._groups.pop(seq.group_id, None)
+        return RequestOutput(
+            seq.group_id,
+            seq.prompt_token_ids,
+            [self._completion(s) for s in group],
+            finished,
+            abort_reason=next((s.abort_reason for s in group if s.abort_reason), None),
+        )
+
+    def _completion(self, seq: Seq) -> CompletionOutput:
+        text = self._text(seq) if seq.finished else ""
         stop = seq.stop_reason
         if isinstance(stop, str):
             text = text[: text.index(stop)]
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=seq.index,
             text=text,
             token_ids=seq.output_token_ids,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=stop,
-        )
-        return RequestOutput(
-            seq.request_id,
-            seq.prompt_token_ids,
-            [completion],
-            finished,
-            abort_reason=seq.abort_reason,
         )
 
     def _text(self, seq: Seq) -> str:

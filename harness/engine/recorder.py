@@ -133,6 +133,8 @@ class Recorder:
         if head is not None:
             need = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
             unusable = alloc.unusable_free_blocks(need)
+        tables = [alloc.block_table(seq.request_id) for seq in scheduler.running]
+        refs = sum(map(len, tables))
         bs = stats.block_size
         row.update(
             prefill_tokens=prefill,
@@ -142,6 +144,8 @@ class Recorder:
             blocks_used=stats.used_blocks,
             blocks_free=stats.free_blocks,
             blocks_cached=stats.cached_blocks,
+            block_refs=refs,
+            blocks_shared=refs - len(set().union(*tables)),
             slots_tokens=tokens,
             slots_future=0,  # completed as the allocations live now end (_settle)
             slots_internal=stats.reserved_slots - tokens,

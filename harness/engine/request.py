@@ -26,6 +26,7 @@ class Sequence:
     arrival_time: float
     priority: int = 0
     rng: np.random.Generator | None = None
+    seed: int = 0  # the effective seed of ``rng`` (SamplingParams.seed, else the engine's)
     ttft_slo: float | None = None
     tpot_slo: float | None = None
     num_prompt_tokens: int = 0
@@ -43,11 +44,14 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     spec_proposed: int = 0
     spec_accepted: int = 0
+    index: int = 0  # which of the request's SamplingParams.n completions this is
+    group_id: str = ""  # the caller's request id (``request_id`` is unique per completion)
     prompt_token_ids: tuple[int, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+        self.group_id = self.group_id or self.request_id
         # Every step's RequestOutput shares this instead of slicing the prompt again.
         self.prompt_token_ids = tuple(self.token_ids[: self.num_prompt_tokens])
 
@@ -74,7 +78,7 @@ class Sequence:
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request (kvbench samples one per request)."""
+    """One completion of a request (``index`` of SamplingParams.n)."""
 
     index: int
     text: str

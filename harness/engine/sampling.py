@@ -31,12 +31,15 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     """How to sample one request's tokens (vLLM's field names and defaults).
 
+    ``n`` completions are generated for the prompt (vLLM's parallel sampling): the prompt's
+    KV is computed once and forked; completion ``i`` samples with seed ``seed + i``.
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     Penalties follow vLLM: presence/frequency subtract from logits of tokens already
     generated; repetition divides positive (multiplies negative) logits of tokens seen in
     the prompt or output.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -59,6 +62,7 @@ class SamplingParams:
         )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = [
+            ("n", isinstance(self.n, int) and self.n >= 1, "an int >= 1"),
             ("temperature", self.temperature >= 0 and math.isfinite(self.temperature), ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", isinstance(self.top_k, int), "an int (<= 0 disables it)"),

@@ -39,7 +39,7 @@ from harness import machine, results
 from harness.config import validate
 from harness.engine import LLMEngine
 from harness.engine.clock import VirtualClock, WallClock
-from harness.engine.sampling import SamplingParams, SamplingParamsError
+from harness.engine.sampling import LogprobsMode, SamplingParams, SamplingParamsError
 from harness.engine.speculative import Speculation
 from harness.metrics import format_summary, requests_frame, steps_frame, summarize
 from harness.models import LoadedModel
@@ -93,6 +93,7 @@ def build_engine(
     clock: Literal["virtual", "wall"] = "virtual",
     seed: int = 0,
     pipeline: bool | None = None,
+    logprobs_mode: LogprobsMode = "raw_logprobs",
 ) -> LLMEngine:
     """The ``engine`` config group's target: ``LLMEngine.build`` with the clock named."""
     return LLMEngine.build(
@@ -107,6 +108,7 @@ def build_engine(
         clock=CLOCKS[clock](),
         seed=seed,
         pipeline=pipeline,
+        logprobs_mode=logprobs_mode,
     )
 
 

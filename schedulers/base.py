@@ -314,9 +314,12 @@ class Scheduler(ABC):
                 self.waiting.remove(seq)
                 out.rejected.append((seq, reason))
                 continue
-            # Blocks still in the prefix cache come back without a copy (radix).
+            # Blocks still in the prefix cache come back without a copy (radix). A request
+            # for prompt logprobs reads none of it: it needs logits at every prompt position.
             computed = seq.num_computed_tokens if swapped else seq.num_tokens
-            cached = self.allocator.match_prefix(seq.request_id, seq.token_ids[: computed + 1])
+            cached = 0
+            if swapped or not seq.params.skip_reading_prefix_cache:
+                cached = self.allocator.match_prefix(seq.request_id, seq.token_ids[: computed + 1])
             if not swapped:
                 seq.num_computed_tokens = cached
             n = 0 if swapped else self._chunk(seq, budget)

@@ -134,7 +134,8 @@ class PriorityScheduler(Scheduler):
             return False
         whole = head.num_computed_tokens if swapped else head.num_tokens
         rid = head.request_id
-        trial.match_prefix(rid, head.token_ids[: whole + 1])
+        if swapped or not head.params.skip_reading_prefix_cache:
+            trial.match_prefix(rid, head.token_ids[: whole + 1])
         keep = self.watermark_blocks if staying else 0
         return trial.can_allocate(rid, whole) and (
             trial.num_free_blocks() - trial.blocks_needed(rid, whole) >= keep

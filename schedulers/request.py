@@ -23,6 +23,9 @@ class Status(enum.Enum):
 class RequestParams(Protocol):
     max_tokens: int  # the output budget (shortest-remaining victims, speculation's headroom)
 
+    @property
+    def skip_reading_prefix_cache(self) -> bool: ...  # compute every prompt position (vLLM's)
+
 
 class Request(Protocol):
     """A request as a policy sees it."""

@@ -59,6 +59,7 @@ def spec_engine(
     max_num_seqs=8,
     policy=FCFSScheduler,
     max_model_len=None,
+    logprobs_mode="raw_logprobs",
     **base,
 ):
     return LLMEngine.build(
@@ -69,11 +70,14 @@ def spec_engine(
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         speculative=Speculation(num_draft_tokens=k, draft=draft),
+        logprobs_mode=logprobs_mode,
     )
 
 
-def plain_engine(model):
-    return LLMEngine.build(model, FreeListAllocator, FCFSScheduler, block_size=16, num_blocks=256)
+def plain_engine(model, **kwargs):
+    return LLMEngine.build(
+        model, FreeListAllocator, FCFSScheduler, block_size=16, num_blocks=256, **kwargs
+    )
 
 
 def tokens(outputs):
@@ -225,7 +229,10 @@ def test_model_length_limit_holds_with_drafts(model, prompts):
     ]
 
 
-def test_greedy_penalties_and_logprobs_match_plain_decoding(model, prompts):
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_greedy_penalties_and_logprobs_match_plain_decoding(model, prompts, mode):
+    """Each emitted token's logprobs (the sampled one's, with its rank, and the top 3) are
+    the target's at its position, as plain decoding gives them."""
     params = SamplingParams(
         temperature=0,
         max_tokens=20,
@@ -234,13 +241,19 @@ def test_greedy_penalties_and_logprobs_match_plain_decoding(model, prompts):
         logprobs=3,
         ignore_eos=True,
     )
-    plain = plain_engine(model).generate(prompts, params)
-    spec = spec_engine(model, draft=partial(noisy_copy, scale=0.02)).generate(prompts, params)
+    plain = plain_engine(model, logprobs_mode=mode).generate(prompts, params)
+    spec = spec_engine(model, draft=partial(noisy_copy, scale=0.02), logprobs_mode=mode)
+    spec = spec.generate(prompts, params)
     assert tokens(spec) == tokens(plain)
     for s, p in zip(spec, plain, strict=True):
-        for a, b in zip(s.outputs[0].logprobs, p.outputs[0].logprobs, strict=True):
-            assert a.keys() == b.keys()
-            assert np.allclose(list(a.values()), list(b.values()), atol=1e-4)
+        assert len(s.outputs[0].logprobs) == len(s.outputs[0].token_ids)
+        for token, a, b in zip(
+            s.outputs[0].token_ids, s.outputs[0].logprobs, p.outputs[0].logprobs, strict=True
+        ):
+            assert token in a and a.keys() == b.keys()
+            assert [x.rank for x in a.values()] == [x.rank for x in b.values()]
+            got, want = ([x.logprob for x in d.values()] for d in (a, b))
+            assert np.allclose(got, want, atol=1e-4)
 
 
 def test_abort_frees_target_and_draft_kv(model, prompts):

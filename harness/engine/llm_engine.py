@@ -34,7 +34,16 @@ from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.recorder import Recorder
 from harness.engine.request import CompletionOutput, RequestOutput
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import SampleRow, SamplingParams, make_rng, sample
+from harness.engine.sampling import (
+    LOGPROBS_MODES,
+    LogprobsMode,
+    SampleRow,
+    SamplingParams,
+    logprob_dict,
+    logprob_values,
+    make_rng,
+    sample,
+)
 from harness.engine.speculative import (
     DraftProposer,
     Proposal,
@@ -69,7 +78,16 @@ class LLMEngine:
         seed: int = 0,
         record: bool = True,
         pipeline: bool | None = None,
+        logprobs_mode: LogprobsMode = "raw_logprobs",
     ) -> None:
+        """``logprobs_mode`` (vLLM's, engine-wide as there): what ``SamplingParams.logprobs``
+        report, raw (before any processing, the default) or processed (what the token was
+        drawn from), as log-probabilities or logits; see ``harness/engine/sampling.py``."""
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"engine.logprobs_mode={logprobs_mode!r} is invalid: it must be one of "
+                f"{', '.join(LOGPROBS_MODES)}"
+            )
         if scheduler.allocator is not allocator:
             raise ValueError("the scheduler must be built over the engine's allocator")
         if (proposer is None) != (scheduler.num_lookahead_slots == 0):
@@ -82,6 +100,7 @@ class LLMEngine:
         self.scheduler = scheduler
         self.clock = clock or VirtualClock()
         self.seed = seed
+        self.logprobs_mode = logprobs_mode
         # Steps one deep (see the module docstring); by default on a GPU only. On MLX's CPU
         # build async_eval returns only when all but the graph's last few dozen ops have
         # run, and the host then competes with the BLAS threads: pipelined decode measured
@@ -305,6 +324,8 @@ class LLMEngine:
             seq, p = s.seq, s.seq.params
             if s.num_draft_tokens:
                 return False
+            if _prompt_positions(seq, s.num_new_tokens):
+                return False
             samples = seq.num_computed_tokens + s.num_new_tokens == seq.num_tokens
             if samples and not (
                 p.greedy
@@ -416,12 +437,14 @@ class LLMEngine:
             # the sequence's last; a recomputed prefix chunk that stops short never feeds it).
             fed = seq in inflight and end == seq.num_tokens
             carried = ((end - 1 - start, inflight[seq]),) if fed else ()
+            # Prompt logprobs want logits at the prompt positions before the sampling one.
+            num_prompt = len(_prompt_positions(seq, s.num_new_tokens))
             rows.append(
                 Row(
                     tokens=seq.token_ids[start:end] + drafts,
                     start=start,
                     table=self.allocator.block_table(seq.request_id),
-                    num_logits=1 + len(drafts) if end == seq.num_tokens else 0,
+                    num_logits=num_prompt + (1 + len(drafts) if end == seq.num_tokens else 0),
                     carried=carried,
                 )
             )
@@ -452,6 +475,9 @@ class LLMEngine:
                 verifying[seq] = offset
                 offset += len(self._proposals[seq].tokens) + 1
                 continue
+            if positions := _prompt_positions(seq, s.num_new_tokens):
+                self._prompt_logprobs(seq, positions, logits[offset : offset + len(positions)])
+                offset += len(positions)
             before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
             self._commit(seq, before)
@@ -464,14 +490,17 @@ class LLMEngine:
                     picks.append(offset)
                 offset += 1
         verified = self._verify(plan, logits, verifying) if verifying else []
+        # Rows of drafts or prompt logprobs beside the sampling ones, or forked completions
+        # sampling from one row: the sampler gets one row of logits per token it draws.
         if picks != list(range(offset)):
             logits = logits[mx.array(picks, dtype=mx.int32)] if picks else None
-        sampled = sample(logits, [self._sample_row(seq) for seq in to_sample]) if to_sample else []
+        rows = [self._sample_row(seq) for seq in to_sample]
+        sampled = sample(logits, rows, self.logprobs_mode) if to_sample else []
         now = self.clock.after(time.perf_counter() - start)
         outputs = [self._accept(seq, got, now) for seq, got in verified]
         for seq, pick in zip(to_sample, sampled, strict=True):
-            if pick.top_logprobs is not None:
-                seq.logprobs.append(pick.top_logprobs)
+            if pick.logprobs is not None:
+                seq.logprobs.append(pick.logprobs)
             self._append(seq, pick.token, now)
             outputs.append(self._output(seq))
         return outputs
@@ -504,6 +533,16 @@ class LLMEngine:
         self._groups[parent.group_id] = group
         return group[1:]
 
+    def _prompt_logprobs(self, seq: Seq, positions: range, logits: mx.array) -> None:
+        """Append the prompt logprobs ``logits`` [len(positions), vocab] give: position p's
+        raw log-probabilities of prompt token p + 1 and the top-n (vLLM: raw, whatever the
+        ``logprobs_mode``)."""
+        table = np.array(logits.astype(mx.float32))
+        n = seq.params.prompt_logprobs
+        for row, p in zip(table, positions, strict=True):
+            values = logprob_values(row, row, None, seq.params, "raw_logprobs")
+            seq.prompt_logprobs.append(logprob_dict(values, seq.token_ids[p + 1], n))
+
     def _verify(
         self, plan: SchedulerOutput, logits: mx.array, at: dict[Seq, int]
     ) -> list[tuple[Seq, Verified]]:
@@ -517,6 +556,7 @@ class LLMEngine:
                 table[i : i + n + 1],
                 proposal,
                 lambda j, s=seq, d=proposal.tokens: self._sample_row(s, d[:j]),
+                self.logprobs_mode,
             )
             counts = self._verifications
             counts.proposed += n
@@ -537,8 +577,8 @@ class LLMEngine:
         self._commit(seq, before, seq.token_ids + got.tokens[: got.accepted])
         finished = False
         for j, token in enumerate(got.tokens):  # stop conditions drop what follows a stop
-            if got.top_logprobs is not None:
-                seq.logprobs.append(got.top_logprobs[j])
+            if got.logprobs is not None:
+                seq.logprobs.append(got.logprobs[j])
             if finished := self._append(seq, token, now):
                 break
         if not finished:
@@ -621,12 +661,15 @@ class LLMEngine:
         finished = all(s.finished for s in group)
         if finished:
             self._groups.pop(seq.group_id, None)
+        first = group[0]  # computed the prompt, and so its logprobs
+        prompt = first.params.prompt_logprobs is not None
         return RequestOutput(
             seq.group_id,
             seq.prompt_token_ids,
             [self._completion(s) for s in group],
             finished,
             abort_reason=next((s.abort_reason for s in group if s.abort_reason), None),
+            prompt_logprobs=list(first.prompt_logprobs) if prompt else None,
         )
 
     def _completion(self, seq: Seq) -> CompletionOutput:
@@ -634,11 +677,12 @@ class LLMEngine:
         stop = seq.stop_reason
         if isinstance(stop, str):
             text = text[: text.index(stop)]
+        # Copies: an output the caller holds must not grow with the sequence.
         return CompletionOutput(
             index=seq.index,
             text=text,
             token_ids=seq.output_token_ids,
-            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=stop,
         )
@@ -672,3 +716,14 @@ class LLMEngine:
                 f"[0, {vocab})"
             )
         return tokens
+
+
+def _prompt_positions(seq: Seq, num_new_tokens: int) -> range:
+    """The positions of a step's chunk whose logits give prompt logprobs not yet taken
+    (position p's logits score prompt token p + 1): none after the prompt's last but one, and
+    none twice, so a recompute after preemption takes none."""
+    if seq.params.prompt_logprobs is None:
+        return range(0)
+    first = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
+    end = min(seq.num_computed_tokens + num_new_tokens, seq.num_prompt_tokens - 1)
+    return range(first, end)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling import SamplingParams, TokenLogprobs
 from schedulers.request import Status
 
 
@@ -41,7 +41,8 @@ class Sequence:
     finish_reason: str | None = None
     abort_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     spec_proposed: int = 0
     spec_accepted: int = 0
     index: int = 0  # which of the request's SamplingParams.n completions this is
@@ -54,6 +55,8 @@ class Sequence:
         self.group_id = self.group_id or self.request_id
         # Every step's RequestOutput shares this instead of slicing the prompt again.
         self.prompt_token_ids = tuple(self.token_ids[: self.num_prompt_tokens])
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
 
     @property
     def num_tokens(self) -> int:
@@ -78,22 +81,26 @@ class Sequence:
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request (``index`` of SamplingParams.n)."""
+    """One completion of a request (``index`` of SamplingParams.n). Its lists are the
+    engine's copies at the time: an output already returned never changes."""
 
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[TokenLogprobs] | None  # per output token, when params.logprobs
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None
 
 
 @dataclass
 class RequestOutput:
-    """What ``LLMEngine.step`` returns for each request that made progress or finished."""
+    """What ``LLMEngine.step`` returns for each request that made progress or finished.
+    ``prompt_logprobs`` (when params.prompt_logprobs): per prompt position, None for the first;
+    complete in every output that carries a token (prefill ends before the first is sampled)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     outputs: list[CompletionOutput]
     finished: bool
     abort_reason: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

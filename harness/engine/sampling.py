@@ -7,6 +7,19 @@ its own ``numpy.random.Generator`` (seeded from ``SamplingParams.seed``), so a r
 tokens depend on its seed, never on what it was batched with. Greedy rows without
 penalties, bans or logprobs are one ``mx.argmax``.
 
+Logprobs follow vLLM v1. Each sampled token gets a dict token id -> ``Logprob(logprob,
+rank)``: the sampled token (rank: how many tokens score at least as high, 1 = the best;
+vLLM's ``batched_count_greater_than``, ``vllm/v1/sample/ops/logprobs.py``) and the top
+``logprobs`` (ranks 1..n), so n + 1 entries when the sampled token is not among them
+(``LogprobsProcessor._make_logprob_dict``, ``vllm/v1/engine/logprobs.py``). What they are
+taken from is the engine's ``logprobs_mode`` (vLLM's ``ModelConfig.logprobs_mode``):
+``raw_logprobs`` (the default) and ``raw_logits`` are the model's output before any
+processing; ``processed_logprobs`` and ``processed_logits`` are what the token was drawn
+from: after penalties and bans, then temperature and min-p/top-k/top-p with filtered tokens
+at -inf (``Sampler.sample`` and ``TopKTopPSampler.forward_native``,
+``vllm/v1/sample/sampler.py`` and ``ops/topk_topp_sampler.py``); a greedy row's processed
+values are its penalised logits, as vLLM returns them before temperature for greedy rows.
+
 The batched math is written once against an array module ``xp``: MLX where it runs on a GPU
 (the logits never leave the device), numpy on MLX's CPU build, where numpy's vectorised
 ``exp`` measured 5x faster than MLX's (``python -m harness.bench sampling``).
@@ -18,9 +31,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Literal, get_args
 
 import mlx.core as mx
 import numpy as np
+
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
+MAX_LOGPROBS = 20  # vLLM's default ModelConfig.max_logprobs
 
 
 class SamplingParamsError(ValueError):
@@ -37,6 +55,12 @@ class SamplingParams:
     Penalties follow vLLM: presence/frequency subtract from logits of tokens already
     generated; repetition divides positive (multiplies negative) logits of tokens seen in
     the prompt or output.
+
+    ``logprobs``: the top-n log-probabilities of each output token plus the sampled token's
+    (see the module docstring). ``prompt_logprobs``: per prompt position, None for the first
+    and then the prompt token's log-probability plus the top-n, always from the raw logits
+    (vLLM's ``GPUModelRunner._get_prompt_logprobs_dict``); such a request skips reading the
+    prefix cache (``skip_reading_prefix_cache``, vLLM's), so every prompt position is computed.
     """
 
     n: int = 1
@@ -53,6 +77,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -72,7 +97,12 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
             ("repetition_penalty", 0 < self.repetition_penalty <= 10, "in (0, 10]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "None or in [0, 20]"),
+            ("logprobs", _count_or_none(self.logprobs), f"None or an int in [0, {MAX_LOGPROBS}]"),
+            (
+                "prompt_logprobs",
+                _count_or_none(self.prompt_logprobs),
+                f"None or an int in [0, {MAX_LOGPROBS}]",
+            ),
             ("seed", self.seed is None or isinstance(self.seed, int), "None or an int"),
             (
                 "stop_token_ids",
@@ -96,6 +126,16 @@ class SamplingParams:
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
 
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Prompt logprobs need logits at every prompt position, so none may come from the
+        prefix cache (vLLM's ``SamplingParams.skip_reading_prefix_cache``)."""
+        return self.prompt_logprobs is not None
+
+
+def _count_or_none(n) -> bool:
+    return n is None or (isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_LOGPROBS)
+
 
 @dataclass
 class SampleRow:
@@ -109,14 +149,28 @@ class SampleRow:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability (or logit, by ``logprobs_mode``) and its rank, 1 = the
+    highest (vLLM's ``Logprob`` without ``decoded_token``)."""
+
+    logprob: float
+    rank: int
+
+
+TokenLogprobs = dict[int, Logprob]  # token id -> Logprob, at one position
+
+
+@dataclass(frozen=True)
 class Sampled:
     token: int
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
+    logprobs: TokenLogprobs | None = None  # when the row's params ask for logprobs
 
 
-def sample(logits: mx.array, rows: Sequence[SampleRow]) -> list[Sampled]:
-    """Pick one token per row of ``logits`` [len(rows), vocab]."""
+def sample(
+    logits: mx.array, rows: Sequence[SampleRow], logprobs_mode: LogprobsMode = "raw_logprobs"
+) -> list[Sampled]:
+    """Pick one token per row of ``logits`` [len(rows), vocab]; logprobs per ``logprobs_mode``
+    for the rows that ask for them."""
     simple = all(r.params.greedy and not r.params.penalised and not r.banned for r in rows)
     if simple and not any(r.params.logprobs is not None for r in rows):
         return [Sampled(t) for t in mx.argmax(logits, axis=-1).tolist()]
@@ -129,6 +183,7 @@ def sample(logits: mx.array, rows: Sequence[SampleRow]) -> list[Sampled]:
     if greedy:
         for i, token in zip(greedy, _to_list(_take(adjusted, greedy).argmax(axis=-1)), strict=True):
             tokens[i] = token
+    probs = None
     if draw:
         probs = filtered(_take(adjusted, draw), [rows[i].params for i in draw])
         uniforms = np.array([rows[i].rng.random() for i in draw], dtype=np.float32)
@@ -140,15 +195,44 @@ def sample(logits: mx.array, rows: Sequence[SampleRow]) -> list[Sampled]:
         if n is None:
             out.append(Sampled(tokens[i]))
             continue
-        logprobs = np.asarray(_take(adjusted, [i]), dtype=np.float64)[0]
-        logprobs -= _logsumexp(logprobs)
-        top = np.argsort(-logprobs)[:n]
-        out.append(
-            Sampled(
-                tokens[i], float(logprobs[tokens[i]]), {int(t): float(logprobs[t]) for t in top}
-            )
+        kept = None if row.params.greedy else np.asarray(_take(probs, [draw.index(i)]))[0] > 0
+        values = logprob_values(
+            np.asarray(_take(table, [i]))[0],
+            np.asarray(_take(adjusted, [i]))[0],
+            kept,
+            row.params,
+            logprobs_mode,
         )
+        out.append(Sampled(tokens[i], logprob_dict(values, tokens[i], n)))
     return out
+
+
+def logprob_values(
+    raw: np.ndarray,
+    adjusted: np.ndarray,
+    kept: np.ndarray | None,
+    params: SamplingParams,
+    mode: LogprobsMode,
+) -> np.ndarray:
+    """One row's values that ``mode`` reports, from its ``raw`` logits, its ``adjusted``
+    (penalised, banned) logits and, for a sampling row, the tokens its filters ``kept``
+    (a token whose probability underflows float32 counts as filtered: it cannot be drawn)."""
+    if mode.startswith("raw"):
+        values = raw.astype(np.float64)
+    elif params.greedy:
+        values = adjusted.astype(np.float64)
+    else:
+        values = np.where(kept, adjusted.astype(np.float64) / params.temperature, -np.inf)
+    return values if mode.endswith("logits") else values - _logsumexp(values)
+
+
+def logprob_dict(values: np.ndarray, token: int, n: int) -> TokenLogprobs:
+    """``token``'s entry, then the top ``n`` of ``values`` [vocab] with ranks 1..n (the token
+    keeps its place but takes its top-n rank when among them), as vLLM builds it."""
+    entries = {token: Logprob(float(values[token]), int((values >= values[token]).sum()))}
+    for rank, t in enumerate(np.argsort(-values, kind="stable")[:n], start=1):
+        entries[int(t)] = Logprob(float(values[t]), rank)
+    return entries
 
 
 def adjust(logits, rows: Sequence[SampleRow]):

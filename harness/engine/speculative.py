@@ -33,7 +33,16 @@ from allocators.base import BlockAllocator
 from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import SampleRow, adjust_logits, draw_tokens, filtered_probs
+from harness.engine.sampling import (
+    LogprobsMode,
+    SampleRow,
+    TokenLogprobs,
+    adjust_logits,
+    draw_tokens,
+    filtered_probs,
+    logprob_dict,
+    logprob_values,
+)
 from harness.models import LoadedModel, random_model
 
 # The sampler's view of a sequence with some draft tokens appended (the engine's _sample_row).
@@ -92,7 +101,7 @@ class Verified:
 
     tokens: list[int]  # accepted drafts, then the correction or bonus token
     accepted: int  # drafts accepted
-    top_logprobs: list[dict[int, float]] | None = None  # per token, when params.logprobs
+    logprobs: list[TokenLogprobs] | None = None  # per token, when params.logprobs
 
 
 def random_draft(
@@ -163,18 +172,25 @@ class DraftProposer:
         self._computed.pop(request_id, None)
 
 
-def verify(logits: np.ndarray, proposal: Proposal, rows: Callable[[int], SampleRow]) -> Verified:
+def verify(
+    logits: np.ndarray,
+    proposal: Proposal,
+    rows: Callable[[int], SampleRow],
+    logprobs_mode: LogprobsMode = "raw_logprobs",
+) -> Verified:
     """Leviathan acceptance of ``proposal`` against target ``logits`` [len(drafts) + 1, vocab].
 
     ``rows(j)`` is the sampler's view of the sequence with the first ``j`` drafts appended.
-    Target distributions are computed only up to the first rejection.
+    Target distributions are computed only up to the first rejection. Each emitted token's
+    logprobs are the target's at its position, as plain decoding would give them.
     """
     tokens: list[int] = []
-    logprobs: list[dict[int, float]] = []
+    logprobs: list[TokenLogprobs] = []
     for j in range(len(proposal.tokens) + 1):
         row = rows(j)
         adjusted = adjust_logits(logits[j], row)
         draft = proposal.tokens[j] if j < len(proposal.tokens) else None
+        p = None
         if row.params.greedy:
             token = int(np.argmax(adjusted))
         else:
@@ -183,7 +199,9 @@ def verify(logits: np.ndarray, proposal: Proposal, rows: Callable[[int], SampleR
             token = accept_or_resample(p, q, draft, row.rng)
         tokens.append(token)
         if row.params.logprobs is not None:
-            logprobs.append(_top_logprobs(adjusted, row.params.logprobs))
+            kept = None if p is None else p > 0
+            values = logprob_values(logits[j], adjusted, kept, row.params, logprobs_mode)
+            logprobs.append(logprob_dict(values, token, row.params.logprobs))
         if token != draft:
             break
     accepted = len(tokens) - 1
@@ -214,8 +232,3 @@ def _normalised(probs: np.ndarray) -> np.ndarray:
 
 def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(draw_tokens(probs[None], np.array([rng.random()]))[0])
-
-
-def _top_logprobs(logits: np.ndarray, n: int) -> dict[int, float]:
-    logprobs = logits - np.logaddexp.reduce(logits)
-    return {int(t): float(logprobs[t]) for t in np.argsort(-logprobs)[:n]}

@@ -82,6 +82,8 @@ def test_a_fork_without_room_recomputes_the_prompt(model, prompt):
     ref = mlx_lm_tokens(model, prompt, MAX_TOKENS)
     assert all(c.token_ids == ref for c in out.outputs)
     assert max(r["num_running"] for r in e.recorder.steps) == 2
+    cached = {r["request_id"]: r["cached_tokens"] for r in e.recorder.requests}
+    assert cached == {"gen-0": 0, "gen-0/1": 40, "gen-0/2": 0, "gen-0/3": 0}
     assert_all_free(e)
 
 

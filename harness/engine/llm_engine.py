@@ -524,10 +524,10 @@ class LLMEngine:
                 group_id=parent.group_id,
             )
             child.first_scheduled_time = parent.first_scheduled_time
-            child.num_cached_tokens = parent.num_computed_tokens  # its prompt KV is shared
             self._requests[child.request_id] = child
             allocation = self.scheduler.fork(parent, child)
-            if allocation is not None:
+            if allocation is not None:  # else it waits, and recomputes its prompt
+                child.num_cached_tokens = parent.num_computed_tokens  # its prompt KV is shared
                 self.runner.copy_blocks(allocation.copies)
             group.append(child)
         self._groups[parent.group_id] = group

@@ -1,0 +1,188 @@
+"""KV save and restore: a sequence's KV blocks in a safetensors file, checked before reuse.
+
+A file holds the KV of a sequence's first ``len(token_ids)`` tokens, block by block as the
+arena swaps them out (``HostBlocks``), in the model's dtype::
+
+    keys.<layer>, values.<layer>   [num_blocks, ...]   block i holds tokens i*bs .. (i+1)*bs-1
+    metadata (all strings)
+      format       "kvbench-kv/1"
+      token_ids    JSON list of the tokens whose KV the blocks hold
+      block_size   tokens per block
+      model        the model's name, for messages
+      fingerprint  model_fingerprint(): architecture, KV geometry, dtype, a sample of every
+                   weight tensor (hashed)
+      checksum     sha256 of the tensors' bytes, in name order
+
+The block layout is ``HostBlocks``'s (the arena's swap format): a change to it is a new
+``FORMAT``.
+
+``load`` refuses a file it cannot trust, raising ``KVFileError`` with one line that names the
+file and the reason: unreadable (missing, not safetensors, truncated), not a kvbench KV file,
+another block size, another model or dtype, tensors that do not match their checksum or
+their token count. The engine then warns (``KVRestoreWarning``) and computes the prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from allocators.base import blocks_for
+from harness.engine.kv_cache import HostBlocks
+from harness.models import LoadedModel
+
+FORMAT = "kvbench-kv/1"
+SAMPLES_PER_TENSOR = 1024  # weight elements hashed per tensor for the fingerprint
+_RAW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}  # host blocks keep raw bits
+
+
+class KVFileError(ValueError):
+    """A KV file cannot be used by this engine; the message names the file and why."""
+
+
+class KVRestoreWarning(RuntimeWarning):
+    """A requested KV restore (or save) did not happen; the prompt is computed instead."""
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What an engine's KV is: files written for another spec are refused."""
+
+    model: str
+    fingerprint: str
+    block_size: int
+    dtype: mx.Dtype
+
+    @classmethod
+    def of(cls, model: LoadedModel, block_size: int) -> KVSpec:
+        return cls(model.name, model_fingerprint(model), block_size, model.dtype)
+
+
+@dataclass(frozen=True)
+class SavedKV:
+    """A loaded file: the KV of ``token_ids`` in host blocks."""
+
+    token_ids: tuple[int, ...]
+    blocks: HostBlocks
+
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """Leading tokens of ``prompt`` whose KV this holds: the common prefix, short of the
+        prompt's last token (computed for its logits)."""
+        limit = min(len(self.token_ids), len(prompt) - 1)
+        n = 0
+        while n < limit and self.token_ids[n] == prompt[n]:
+            n += 1
+        return n
+
+
+def model_fingerprint(model: LoadedModel) -> str:
+    """Architecture, KV geometry and dtype, and a hash of up to ``SAMPLES_PER_TENSOR`` evenly
+    spaced elements of every weight tensor (with names and shapes): other weights, seeds,
+    fine-tunes and dtypes differ in it, and it costs milliseconds even for large models."""
+    arch = getattr(model.model.args, "model_type", type(model.model).__name__)
+    params = tree_flatten(model.model.parameters())
+    n = SAMPLES_PER_TENSOR
+    samples = [w.reshape(-1)[:: max(1, w.size // n)][:n] for _, w in params]
+    mx.eval(samples)
+    digest = hashlib.sha256()
+    for (name, w), sample in zip(params, samples, strict=True):
+        digest.update(f"{name}{w.shape}{w.dtype}".encode())
+        digest.update(memoryview(np.array(sample.view(_RAW[sample.dtype.size]))))
+    return (
+        f"{arch} layers={model.num_layers} kv_heads={model.num_kv_heads} "
+        f"head_dim={model.head_dim} dtype={_dtype_name(model.dtype)} "
+        f"weights={digest.hexdigest()[:16]}"
+    )
+
+
+def save(path: str | Path, spec: KVSpec, token_ids: Sequence[int], blocks: HostBlocks) -> None:
+    """Write the KV of ``token_ids`` (``blocks``, as ``KVArena.swap_out`` returns them).
+    Written to a temporary name, then renamed: a reader never sees half a file."""
+    path = Path(path)
+    raw = _named(blocks)
+    metadata = {
+        "format": FORMAT,
+        "token_ids": json.dumps(list(token_ids)),
+        "block_size": str(spec.block_size),
+        "model": spec.model,
+        "fingerprint": spec.fingerprint,
+        "checksum": _checksum(raw),
+    }
+    arrays = {name: mx.array(a).view(spec.dtype) for name, a in raw.items()}
+    partial = path.with_name(f".{path.name}.partial.safetensors")
+    mx.save_safetensors(str(partial), arrays, metadata=metadata)
+    os.replace(partial, path)
+
+
+def load(path: str | Path, spec: KVSpec) -> SavedKV:
+    """Read and check a file written by ``save`` for ``spec``; ``KVFileError`` if it cannot
+    be trusted (see the module docstring)."""
+    try:
+        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise KVFileError(f"KV file {path} cannot be read ({' '.join(str(e).split())})") from e
+    if meta.get("format") != FORMAT:
+        raise KVFileError(f"KV file {path} is not a kvbench KV file (no format {FORMAT!r})")
+    if meta.get("block_size") != str(spec.block_size):
+        raise KVFileError(
+            f"KV file {path} was saved with block_size={meta.get('block_size')}, this engine "
+            f"uses {spec.block_size}: restore it with the same engine.block_size"
+        )
+    if meta.get("fingerprint") != spec.fingerprint:
+        raise KVFileError(
+            f"KV file {path} was saved from another model ({meta.get('model')!r}: "
+            f"{meta.get('fingerprint')}); this engine runs {spec.model!r}: {spec.fingerprint}"
+        )
+    try:
+        token_ids = tuple(int(t) for t in json.loads(meta["token_ids"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise KVFileError(f"KV file {path} has no valid token_ids in its header") from e
+    num_blocks = blocks_for(len(token_ids), spec.block_size)
+    layers = len(arrays) // 2
+    names = [f"{kind}.{layer}" for kind in ("keys", "values") for layer in range(layers)]
+    if (
+        not token_ids
+        or sorted(names) != sorted(arrays)
+        or any(a.shape[0] != num_blocks or a.dtype != spec.dtype for a in arrays.values())
+    ):
+        raise KVFileError(
+            f"KV file {path} does not hold {num_blocks} {_dtype_name(spec.dtype)} blocks per "
+            f"layer for its {len(token_ids)} tokens"
+        )
+    bits = _RAW[spec.dtype.size]
+    raw = {name: np.array(a.view(bits)) for name, a in arrays.items()}
+    if meta.get("checksum") != _checksum(raw):
+        raise KVFileError(f"KV file {path} is corrupted: its tensors do not match its checksum")
+    host = HostBlocks(
+        [raw[f"keys.{layer}"] for layer in range(layers)],
+        [raw[f"values.{layer}"] for layer in range(layers)],
+    )
+    return SavedKV(token_ids, host)
+
+
+def _named(blocks: HostBlocks) -> dict[str, np.ndarray]:
+    """Host blocks by tensor name: ``keys.<layer>``, ``values.<layer>``."""
+    return {
+        f"{kind}.{layer}": a
+        for kind, layers in (("keys", blocks.keys), ("values", blocks.values))
+        for layer, a in enumerate(layers)
+    }
+
+
+def _checksum(raw: dict[str, np.ndarray]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(raw):
+        digest.update(memoryview(np.ascontiguousarray(raw[name])))
+    return digest.hexdigest()
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")

@@ -20,7 +20,9 @@ One step, decode-first (the default)::
               waiting ones, in _incoming_order, while max_num_seqs, the token budget and
               the free blocks above the watermark allow; the first that does not fit stops
               it. A prompt gets blocks for all its tokens (its first chunk runs now); a
-              swapped sequence gets its blocks and host copy back and runs from next step
+              swapped sequence gets its blocks and host copy back and runs from next step;
+              a request added with ``restored`` tokens (KV from a file) gets those blocks
+              written back (a SwapIn) and computes the rest of its prompt now
 
 Prefill-first (``prefill_first = True``) brings in before scheduling the running sequences,
 keeping back the blocks their decodes need this step.
@@ -146,13 +148,21 @@ class Scheduler(ABC):
         self.running: list[Request] = []  # in admission order
         self.swapped: list[Request] = []  # in swap-out order
         self.host_blocks: dict[str, int] = {}  # swapped request -> blocks of its host copy
+        # Waiting request -> leading tokens whose KV the engine holds in host memory
+        # (restored from a file), written back when it is admitted instead of computed.
+        self.restored: dict[str, int] = {}
         self.num_lookahead_slots = num_lookahead_slots
         self.release_listeners: list[Callable[[str], None]] = []
 
     # -- requests in and out -------------------------------------------------------------
-    def add(self, seq: Request) -> None:
+    def add(self, seq: Request, restored: int = 0) -> None:
+        """Queue a request. ``restored``: the engine holds the KV of its first ``restored``
+        tokens in host memory (a file); admission writes those blocks back, as a swap-in
+        (``SwapIn`` in the same step), and computes only the rest."""
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        if restored:
+            self.restored[seq.request_id] = restored
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a request in any state and free its blocks (the engine drops its host
@@ -163,6 +173,7 @@ class Scheduler(ABC):
                     queue.remove(seq)
                     self._release(request_id)
                     self.host_blocks.pop(request_id, None)
+                    self.restored.pop(request_id, None)
                     return seq
         return None
 
@@ -192,6 +203,7 @@ class Scheduler(ABC):
                 break
         self._release(seq.request_id)
         self.host_blocks.pop(seq.request_id, None)
+        self.restored.pop(seq.request_id, None)
 
     def _release(self, request_id: str) -> None:
         self.allocator.free(request_id)
@@ -312,6 +324,7 @@ class Scheduler(ABC):
                 break  # it made room for someone this step; do not undo that
             if not swapped and (reason := self._never_fits(seq)):
                 self.waiting.remove(seq)
+                self.restored.pop(seq.request_id, None)
                 out.rejected.append((seq, reason))
                 continue
             # Blocks still in the prefix cache come back without a copy (radix). A request
@@ -321,7 +334,7 @@ class Scheduler(ABC):
             if swapped or not seq.params.skip_reading_prefix_cache:
                 cached = self.allocator.match_prefix(seq.request_id, seq.token_ids[: computed + 1])
             if not swapped:
-                seq.num_computed_tokens = cached
+                seq.num_computed_tokens = max(cached, self.restored.get(seq.request_id, 0))
             n = 0 if swapped else self._chunk(seq, budget)
             alloc = self._take(seq, reserve) if n > 0 or swapped else None
             if alloc is None:
@@ -332,6 +345,7 @@ class Scheduler(ABC):
                     # Nothing else holds blocks: it will never fit.
                     (self.swapped if swapped else self.waiting).remove(seq)
                     self.host_blocks.pop(seq.request_id, None)
+                    self.restored.pop(seq.request_id, None)
                     need = seq.num_computed_tokens if swapped else seq.num_tokens
                     out.rejected.append((seq, f"{need} KV slots do not fit in the empty arena"))
                     continue
@@ -346,12 +360,23 @@ class Scheduler(ABC):
                 out.swapped_in.append(SwapIn(seq, tuple(table[first:host]), first))
                 continue
             self.waiting.remove(seq)
+            if seq.request_id in self.restored:
+                self._write_back(out, seq, cached)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             budget = self._run(out, seq, n, alloc, budget)
         return budget
+
+    def _write_back(self, out: SchedulerOutput, seq: Request, cached: int) -> None:
+        """An admitted request's restored host copy: its blocks past the prefix-cache hit are
+        written before the forward computes the rest of the prompt."""
+        restored = self.restored.pop(seq.request_id)
+        first = cached // self.allocator.block_size
+        last = blocks_for(restored, self.allocator.block_size)
+        table = self.allocator.block_table(seq.request_id)
+        out.swapped_in.append(SwapIn(seq, tuple(table[first:last]), first))
 
     def _decode_blocks(self, seq: Request) -> int:
         """Blocks ``seq`` takes to compute one more token."""

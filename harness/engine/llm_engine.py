@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import cached_property
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from allocators.base import BlockAllocator
+from allocators.base import BlockAllocator, blocks_for
+from harness.engine import persistence
 from harness.engine.clock import Clock, VirtualClock
 from harness.engine.kv_cache import HostBlocks, KVArena
 from harness.engine.model_runner import ModelRunner, Row
@@ -120,7 +124,8 @@ class LLMEngine:
         self._requests: dict[str, Seq] = {}
         self._pending: list[RequestOutput] = []  # aborts and rejections, returned next step
         self._num_added = 0
-        self._host: dict[str, HostBlocks] = {}  # KV of swapped-out requests
+        self._host: dict[str, HostBlocks] = {}  # KV of swapped-out and restored requests
+        self._save_to: dict[str, Path] = {}  # request -> file its KV is saved to at finish
         # Pipelined steps: the tokens the last step sampled, still on the device, with the
         # sequence and place each goes to; sequences already released to stop on theirs.
         self._inflight: list[tuple[Seq, int]] = []
@@ -192,8 +197,17 @@ class LLMEngine:
         *,
         ttft_slo: float | None = None,
         tpot_slo: float | None = None,
+        save_kv: str | Path | None = None,
+        restore_kv: str | Path | None = None,
     ) -> None:
-        """Queue a request. A prompt is token ids, or text when the model has a tokenizer."""
+        """Queue a request. A prompt is token ids, or text when the model has a tokenizer.
+
+        ``save_kv``: a file the request's KV (prompt and output but the last token) is
+        saved to when it finishes. ``restore_kv``: such a file; the KV of the longest prefix
+        of this prompt it holds is written back at admission instead of computed. A file
+        that cannot be used (unreadable, corrupted, another model or block size) or shares
+        no prefix warns (``KVRestoreWarning``, one line naming it) and the prompt is
+        computed (harness/engine/persistence.py)."""
         # Arrival is when the caller hands the request over, not when the lock is free.
         arrived = self.clock.now() if arrival_time is None else arrival_time
         params = sampling_params or SamplingParams()
@@ -203,11 +217,17 @@ class LLMEngine:
                 f"request {request_id!r}: SamplingParams.n={params.n} with speculative decoding "
                 "is not supported; use n=1 or run without speculative"
             )
+        if save_kv is not None and not Path(save_kv).parent.is_dir():
+            raise RequestError(
+                f"request {request_id!r}: save_kv={str(save_kv)!r} is in no existing folder; "
+                "create the folder first"
+            )
         if params.stop and self.model.tokenizer is None:
             raise RequestError(
                 f"request {request_id!r}: SamplingParams.stop needs a tokenizer, and model "
                 f"{self.model.name!r} has none; use stop_token_ids instead"
             )
+        restored = self._restorable(request_id, restore_kv, tokens) if restore_kv else None
         with self._lock:
             if request_id in self._requests or request_id in self._groups:
                 raise RequestError(f"request_id {request_id!r} is already in use: pick a new one")
@@ -225,7 +245,12 @@ class LLMEngine:
             )
             self._num_added += 1
             self._requests[request_id] = seq
-            self.scheduler.add(seq)
+            if save_kv is not None:
+                self._save_to[request_id] = Path(save_kv)
+            num_restored = 0
+            if restored is not None:
+                num_restored, self._host[request_id] = restored
+            self.scheduler.add(seq, restored=num_restored)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state; its blocks are free when this returns."""
@@ -354,7 +379,7 @@ class LLMEngine:
                     seq.token_ids.append(INFLIGHT)
                     self._inflight.append((seq, k))
                     if self._last_token(seq):
-                        self.scheduler.finish(seq)
+                        self._release(seq)
                         self._draining.add(seq)
             k += samples
         self._inflight_tokens = tokens if self._inflight else None
@@ -610,7 +635,7 @@ class LLMEngine:
             if seq in self._draining:
                 self._draining.discard(seq)
             else:
-                self.scheduler.finish(seq)
+                self._release(seq)
             self._finish(seq, reason, now, stop_reason=stop_reason)
         return reason is not None
 
@@ -618,6 +643,63 @@ class LLMEngine:
         """The sequence stops on its last token whatever it is (max_tokens, model length)."""
         limit = self.scheduler.max_seq_len
         return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= limit
+
+    # -- KV save and restore (harness/engine/persistence.py) ------------------------------
+    @cached_property
+    def kv_spec(self) -> persistence.KVSpec:
+        """What this engine's KV is (model fingerprint, block size, dtype): a KV file saved
+        for another spec is refused."""
+        return persistence.KVSpec.of(self.model, self.allocator.block_size)
+
+    def _restorable(
+        self, request_id: str, path: str | Path, prompt: list[int]
+    ) -> tuple[int, HostBlocks] | None:
+        """The KV a file holds for a prefix of ``prompt`` (tokens, host blocks); None, with a
+        warning, when it cannot be used."""
+        try:
+            saved = persistence.load(path, self.kv_spec)
+        except persistence.KVFileError as e:
+            reason = str(e)
+        else:
+            if n := saved.reusable(prompt):
+                return n, saved.blocks
+            reason = f"KV file {path} shares no prefix with the prompt"
+        warnings.warn(
+            f"request {request_id!r}: {reason}; computing the prompt instead",
+            persistence.KVRestoreWarning,
+            stacklevel=3,
+        )
+        return None
+
+    def _release(self, seq: Seq) -> None:
+        """Give a finishing sequence's blocks back, saving its KV first if asked (save_kv)."""
+        path = self._save_to.pop(seq.request_id, None)
+        if path is not None:
+            self._save_kv(seq, path)
+        self.scheduler.finish(seq)
+
+    def _save_kv(self, seq: Seq, path: Path) -> None:
+        """Save the KV of ``seq``'s computed tokens (all but its last, sampled token). A
+        failure warns: the request itself has finished fine."""
+        n = seq.num_computed_tokens
+        if seq.status is Status.RUNNING:
+            table = self.allocator.block_table(seq.request_id)
+            blocks = self.runner.swap_out(table[: blocks_for(n, self.allocator.block_size)])
+        else:  # preempted after its last token was sampled (pipelined steps)
+            blocks = self._host.get(seq.request_id)
+        if blocks is None:
+            reason = "it was preempted by recompute and holds no KV"
+        else:
+            try:
+                persistence.save(path, self.kv_spec, seq.token_ids[:n], blocks)
+                return
+            except (OSError, RuntimeError) as e:
+                reason = " ".join(str(e).split())
+        warnings.warn(
+            f"request {seq.request_id!r}: its KV was not saved to {path} ({reason})",
+            persistence.KVRestoreWarning,
+            stacklevel=2,
+        )
 
     def _sample_row(self, seq: Seq, drafts: Sequence[int] = ()) -> SampleRow:
         """The sampler's view of ``seq``, with ``drafts`` appended when verifying them."""
@@ -648,6 +730,7 @@ class LLMEngine:
     def _finish(self, seq: Seq, reason: str, now: float, **why) -> None:
         seq.status = Status.FINISHED
         self._host.pop(seq.request_id, None)  # a swapped request's host copy goes too
+        self._save_to.pop(seq.request_id, None)  # an aborted request's KV is not saved
         seq.finish_reason = reason
         seq.finish_time = now
         seq.abort_reason = why.get("abort_reason")

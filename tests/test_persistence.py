@@ -199,6 +199,17 @@ def test_a_file_sharing_no_prefix_warns(model, turns, saved):
     assert prefill(engine) == len(prompt)
 
 
+def test_a_request_for_prompt_logprobs_reads_no_file(model, turns, saved):
+    _, following = turns
+    engine = make_engine(model)
+    params = SamplingParams(temperature=0, max_tokens=NEXT, ignore_eos=True, prompt_logprobs=1)
+    with pytest.warns(KVRestoreWarning, match="prompt_logprobs needs every prompt position"):
+        engine.add_request("b", following, params, restore_kv=saved)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert prefill(engine) == len(following)
+
+
 def test_an_aborted_request_saves_nothing(model, turns, tmp_path):
     path = tmp_path / "kv.safetensors"
     engine = make_engine(model)

@@ -227,7 +227,7 @@ class LLMEngine:
                 f"request {request_id!r}: SamplingParams.stop needs a tokenizer, and model "
                 f"{self.model.name!r} has none; use stop_token_ids instead"
             )
-        restored = self._restorable(request_id, restore_kv, tokens) if restore_kv else None
+        restored = self._restorable(request_id, restore_kv, tokens, params) if restore_kv else None
         with self._lock:
             if request_id in self._requests or request_id in self._groups:
                 raise RequestError(f"request_id {request_id!r} is already in use: pick a new one")
@@ -652,18 +652,22 @@ class LLMEngine:
         return persistence.KVSpec.of(self.model, self.allocator.block_size)
 
     def _restorable(
-        self, request_id: str, path: str | Path, prompt: list[int]
+        self, request_id: str, path: str | Path, prompt: list[int], params: SamplingParams
     ) -> tuple[int, HostBlocks] | None:
         """The KV a file holds for a prefix of ``prompt`` (tokens, host blocks); None, with a
-        warning, when it cannot be used."""
-        try:
-            saved = persistence.load(path, self.kv_spec)
-        except persistence.KVFileError as e:
-            reason = str(e)
+        warning, when it cannot be used. A request for prompt logprobs reads no file, as it
+        reads no prefix cache: it needs logits at every prompt position."""
+        if params.skip_reading_prefix_cache:
+            reason = f"KV file {path} is not read: prompt_logprobs needs every prompt position"
         else:
-            if n := saved.reusable(prompt):
-                return n, saved.blocks
-            reason = f"KV file {path} shares no prefix with the prompt"
+            try:
+                saved = persistence.load(path, self.kv_spec)
+            except persistence.KVFileError as e:
+                reason = str(e)
+            else:
+                if n := saved.reusable(prompt):
+                    return n, saved.blocks
+                reason = f"KV file {path} shares no prefix with the prompt"
         warnings.warn(
             f"request {request_id!r}: {reason}; computing the prompt instead",
             persistence.KVRestoreWarning,

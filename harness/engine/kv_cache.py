@@ -197,34 +197,31 @@ class BatchLayout:
         num_kv_heads: int,
     ) -> BatchLayout:
         """Lay out rows that compute ``lengths[b]`` tokens from position ``starts[b]``."""
-        num_rows = len(tables)
-        width = max(lengths)
-        start = np.asarray(starts, dtype=np.int64)
-        ends = start + np.asarray(lengths, dtype=np.int64)
-        num_read = int(-(-ends.max() // block_size))
-
-        pos = start[:, None] + np.arange(width)[None, :]  # [B, L]
-        real = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
-        padded = np.full((num_rows, num_read), scratch_block, dtype=np.int32)
-        for b, table in enumerate(tables):
-            k = -(-int(ends[b]) // block_size)
-            padded[b, :k] = table[:k]
-        block_of = np.where(real, pos // block_size, 0)
-        write_blocks = np.where(real, np.take_along_axis(padded, block_of, axis=1), scratch_block)
-        write_slots = np.where(real, pos % block_size, 0)
-        heads = np.arange(num_kv_heads)[None, :, None]
-        write_rows = (write_blocks[:, None, :] * num_kv_heads + heads) * block_size + write_slots[
-            :, None, :
-        ]
-        key_pos = np.arange(num_read * block_size)
-        mask = key_pos[None, None, None, :] <= pos[:, None, :, None]
+        # Few numpy calls and transfers: at decode this runs on the host every step, beside
+        # a forward of a few ms. The mask is built by MLX from the offsets.
+        start = np.array(starts)
+        lens = np.array(lengths)
+        ends = start + lens
+        num_read = -(-int(ends.max()) // block_size)
+        padded = np.full((len(tables), num_read + 1), scratch_block)  # last column: padding
+        for row, table in enumerate(tables):
+            k = -(-int(ends[row]) // block_size)
+            padded[row, :k] = table[:k]
+        step = np.arange(lens.max())
+        pos = start[:, None] + step  # [B, L]
+        block_of = np.where(step < lens[:, None], pos // block_size, num_read)
+        blocks = np.take_along_axis(padded, block_of, axis=1)[:, None, :]  # [B, 1, L]
+        heads = np.arange(num_kv_heads)[:, None]
+        write_rows = (blocks * num_kv_heads + heads) * block_size + (pos % block_size)[:, None, :]
+        offsets = mx.array(start.astype(np.int32))
+        queries = offsets[:, None, None, None] + mx.arange(len(step))[None, None, :, None]
         return cls(
-            offsets=mx.array(start.astype(np.int32)),
+            offsets=offsets,
             write_rows=mx.array(write_rows.reshape(-1).astype(np.int32)),
             read_rows=mx.array(
-                padded[:, None, :] * num_kv_heads + np.arange(num_kv_heads)[:, None]
+                (padded[:, None, :num_read] * num_kv_heads + heads).astype(np.int32)
             ),
-            mask=mx.array(mask),
+            mask=mx.arange(num_read * block_size) <= queries,
             num_read_blocks=num_read,
         )
 

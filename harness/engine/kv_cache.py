@@ -174,8 +174,10 @@ class BatchLayout:
             (block * H + head) that each row attends over, padded with the scratch block;
             one gather lands K/V straight in the [B, H, K*bs, D] layout attention wants
             (5x faster than gathering blocks and then transposing). Tables that are runs of
-            consecutive blocks (contiguous, buddy) use it too: a slice of a head-major arena
-            still needs a transposing copy, and measured no faster than this gather.
+            consecutive blocks (contiguous, buddy) use it too: a token-major arena
+            ([H, blocks, bs, D]) reads one row's run by a zero-copy slice, but measured no
+            faster at batch 1 (where the gather is small), and a batch's rows start at
+            unrelated offsets, so a batch of them needs a copy all the same.
         mask: [B, 1, L, K*block_size] True where a query may attend to a key.
     """
 

@@ -298,10 +298,25 @@ def test_arena_swap_round_trip_is_bit_exact(dtype):
     for arrays in (arena.keys, arena.values):
         for layer in range(2):
             arrays[layer] = mx.random.normal(arrays[layer].shape).astype(dtype)
-    before = [mx.array(a) for a in arena.keys + arena.values]
+    before = [arena.blocks(mx.array(a)) for a in arena.keys + arena.values]
     host = arena.swap_out([4, 1, 2])
     assert host.nbytes == 3 * arena.nbytes // arena.num_blocks  # three blocks' K and V
     arena.swap_in(host, [0, 5], first=1)  # host blocks 1, 2 (device 1, 2) -> device 0, 5
-    for old, new in zip(before, arena.keys + arena.values, strict=True):
+    after = [arena.blocks(a) for a in arena.keys + arena.values]
+    for old, new in zip(before, after, strict=True):
         assert mx.array_equal(new[0], old[1]) and mx.array_equal(new[5], old[2])
         assert mx.array_equal(new[1:5], old[1:5])
+
+
+def test_arena_copy_blocks_reads_every_source_before_writing():
+    """A relocation onto an overlapping run (2..4 -> 3..5) and a scattered copy (0 -> 7)."""
+    arena = KVArena(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8)
+    for arrays in (arena.keys, arena.values):
+        for layer in range(2):
+            arrays[layer] = mx.random.normal(arrays[layer].shape)
+    before = [arena.blocks(mx.array(a)) for a in arena.keys + arena.values]
+    arena.copy_blocks([(2, 3), (3, 4), (4, 5), (0, 7)])
+    after = [arena.blocks(a) for a in arena.keys + arena.values]
+    for old, new in zip(before, after, strict=True):
+        assert mx.array_equal(new[3:6], old[2:5]) and mx.array_equal(new[7], old[0])
+        assert mx.array_equal(new[:3], old[:3]) and mx.array_equal(new[6], old[6])

@@ -1,12 +1,17 @@
 """The KV arena and the paged cache view that unmodified mlx_lm models attend through.
 
-Arena layout, per layer, for K and for V::
+Arena layout, per layer, for K and for V: one row of head_dim per (block, head, slot)::
 
+    [(num_blocks + 1) * n_kv_heads * block_size, head_dim]   viewed as
     [num_blocks + 1, n_kv_heads, block_size, head_dim]
       block 0 .. num_blocks-1: handed out by the allocator
       block num_blocks:        scratch; padded query rows write here and nothing reads it
 
-Head-major inside a block measured fastest for gather-then-attend on MLX (MLX_NOTES.md).
+Head-major inside a block measured fastest for gather-then-attend on MLX (MLX_NOTES.md). The
+arrays are kept flat because a write is a scatter along axis 0 of exactly the stored array:
+one flat row index per new (token, head) cost a third of a block/slot scatter into the 4-d
+shape, and a reshaped view would share the buffer and turn the write into a copy of the layer.
+A run of consecutive blocks is a contiguous range of rows, so block copies go run by run.
 
 One batch of a step is described once by a ``BatchLayout`` (index arrays built in numpy),
 shared by every layer's ``PagedKVCache`` view::
@@ -46,8 +51,11 @@ class KVArena:
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.scratch_block = num_blocks
-        shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
+        self.rows_per_block = num_kv_heads * block_size
+        shape = ((num_blocks + 1) * self.rows_per_block, head_dim)
         # Exactly one live reference to each array: a second one would turn every in-place
         # write into a copy of the whole layer (MLX arrays are values).
         self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
@@ -72,19 +80,24 @@ class KVArena:
         per_layer = self.keys[0].nbytes * self.num_blocks // (self.num_blocks + 1)
         return 2 * len(self.keys) * per_layer
 
+    def blocks(self, pool: mx.array) -> mx.array:
+        """A read-only view of one layer's K or V as ``[num_blocks + 1, H, bs, D]``."""
+        return pool.reshape(self.num_blocks + 1, self.num_kv_heads, self.block_size, -1)
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Apply (src, dst) block copies reported by the allocator (relocation, COW)."""
+        """Apply (src, dst) block copies reported by the allocator (relocation, COW).
+
+        Every source is read (one gather per array) before any destination is written, so
+        a relocation may overlap its old region; each run of consecutive destinations is then
+        one slice write (MLX's CPU scatter moves ~10 ns per element, a slice write is a copy).
+        """
         if not copies:
             return
         src = mx.array([s for s, _ in copies], dtype=mx.int32)
-        dst = mx.array([d for _, d in copies], dtype=mx.int32)
-        for arrays in (self.keys, self.values):
-            for layer, pool in enumerate(arrays):
-                moved = pool[src]
-                mx.eval(moved)  # materialise first so the scatter below can write in place
-                pool[dst] = moved
-                arrays[layer] = pool
-        mx.eval(self.keys, self.values)
+        keys = [self.blocks(pool)[src] for pool in self.keys]
+        values = [self.blocks(pool)[src] for pool in self.values]
+        mx.eval(keys, values)  # materialise first, so the writes below go in place
+        self._write_blocks([d for _, d in copies], keys, values)
 
     def swap_out(self, blocks: Sequence[int]) -> HostBlocks:
         """Copy ``blocks`` (every layer, K and V) into host memory, in the given order."""
@@ -92,20 +105,45 @@ class KVArena:
         # numpy has no bfloat16: move the raw bits. np.array copies out of MLX's buffer, so
         # the copy is paid even on unified memory (it is what the step's swap_time measures).
         raw = _RAW[self.keys[0].dtype.size]
-        keys = [np.array(pool[idx].view(raw)) for pool in self.keys]
-        values = [np.array(pool[idx].view(raw)) for pool in self.values]
+        keys = [np.array(self.blocks(pool)[idx].view(raw)) for pool in self.keys]
+        values = [np.array(self.blocks(pool)[idx].view(raw)) for pool in self.values]
         return HostBlocks(keys, values)
 
     def swap_in(self, host: HostBlocks, blocks: Sequence[int], first: int = 0) -> None:
         """Write host blocks ``first, first + 1, ...`` into device ``blocks``."""
         if not blocks:
             return
-        dst = mx.array(blocks, dtype=mx.int32)
-        for arrays, saved in ((self.keys, host.keys), (self.values, host.values)):
-            for layer, pool in enumerate(arrays):
-                pool[dst] = mx.array(saved[layer][first : first + len(blocks)]).view(pool.dtype)
+        dtype = self.keys[0].dtype
+        keys, values = (
+            [mx.array(a[first : first + len(blocks)]).view(dtype) for a in saved]
+            for saved in (host.keys, host.values)
+        )
+        self._write_blocks(blocks, keys, values)
+
+    def _write_blocks(self, dst: Sequence[int], keys: list, values: list) -> None:
+        """Write block ``j`` of ``keys[layer]`` / ``values[layer]`` into block ``dst[j]``,
+        one slice write per run of consecutive destination blocks."""
+        runs = _runs(dst)
+        per = self.rows_per_block
+        for arrays, data in ((self.keys, keys), (self.values, values)):
+            for layer, blocks in enumerate(data):
+                rows = blocks.reshape(-1, self.head_dim)
+                pool = arrays[layer]
+                for at, block, n in runs:
+                    pool[block * per : (block + n) * per] = rows[at * per : (at + n) * per]
                 arrays[layer] = pool
         mx.eval(self.keys, self.values)
+
+
+def _runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position in ``blocks``, first block, length) of each run of consecutive block ids."""
+    runs = []
+    start = 0
+    for j in range(1, len(blocks) + 1):
+        if j == len(blocks) or blocks[j] != blocks[j - 1] + 1:
+            runs.append((start, blocks[start], j - start))
+            start = j
+    return runs
 
 
 _RAW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
@@ -130,20 +168,21 @@ class BatchLayout:
 
     Attributes:
         offsets: [B] start position of each row (RoPE offset).
-        write_blocks, write_slots: [B*L] block and in-block slot of each new token
-            (padding goes to the scratch block).
+        write_rows: [B*H*L] arena row of each new (token, head), in the order of the model's
+            ``[B, H, L, D]`` keys and values (padding goes to the scratch block).
         read_rows: [B, H, K] rows of the arena viewed as [(num_blocks+1) * H, bs * D]
             (block * H + head) that each row attends over, padded with the scratch block;
             one gather lands K/V straight in the [B, H, K*bs, D] layout attention wants
             (5x faster than gathering blocks and then transposing). Tables that are runs of
-            consecutive blocks (contiguous, buddy) use it too: a slice of a head-major arena
-            still needs a transposing copy, and measured no faster than this gather.
+            consecutive blocks (contiguous, buddy) use it too: a token-major arena
+            ([H, blocks, bs, D]) reads one row's run by a zero-copy slice, but measured no
+            faster at batch 1 (where the gather is small), and a batch's rows start at
+            unrelated offsets, so a batch of them needs a copy all the same.
         mask: [B, 1, L, K*block_size] True where a query may attend to a key.
     """
 
     offsets: mx.array
-    write_blocks: mx.array
-    write_slots: mx.array
+    write_rows: mx.array
     read_rows: mx.array
     mask: mx.array
     num_read_blocks: int
@@ -160,31 +199,31 @@ class BatchLayout:
         num_kv_heads: int,
     ) -> BatchLayout:
         """Lay out rows that compute ``lengths[b]`` tokens from position ``starts[b]``."""
-        num_rows = len(tables)
-        width = max(lengths)
-        start = np.asarray(starts, dtype=np.int64)
-        ends = start + np.asarray(lengths, dtype=np.int64)
-        num_read = int(-(-ends.max() // block_size))
-
-        pos = start[:, None] + np.arange(width)[None, :]  # [B, L]
-        real = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
-        padded = np.full((num_rows, num_read), scratch_block, dtype=np.int32)
-        for b, table in enumerate(tables):
-            k = -(-int(ends[b]) // block_size)
-            padded[b, :k] = table[:k]
-        block_of = np.where(real, pos // block_size, 0)
-        write_blocks = np.where(real, np.take_along_axis(padded, block_of, axis=1), scratch_block)
-        write_slots = np.where(real, pos % block_size, 0)
-        key_pos = np.arange(num_read * block_size)
-        mask = key_pos[None, None, None, :] <= pos[:, None, :, None]
+        # Few numpy calls and transfers: at decode this runs on the host every step, beside
+        # a forward of a few ms. The mask is built by MLX from the offsets.
+        start = np.array(starts)
+        lens = np.array(lengths)
+        ends = start + lens
+        num_read = -(-int(ends.max()) // block_size)
+        padded = np.full((len(tables), num_read + 1), scratch_block)  # last column: padding
+        for row, table in enumerate(tables):
+            k = -(-int(ends[row]) // block_size)
+            padded[row, :k] = table[:k]
+        step = np.arange(lens.max())
+        pos = start[:, None] + step  # [B, L]
+        block_of = np.where(step < lens[:, None], pos // block_size, num_read)
+        blocks = np.take_along_axis(padded, block_of, axis=1)[:, None, :]  # [B, 1, L]
+        heads = np.arange(num_kv_heads)[:, None]
+        write_rows = (blocks * num_kv_heads + heads) * block_size + (pos % block_size)[:, None, :]
+        offsets = mx.array(start.astype(np.int32))
+        queries = offsets[:, None, None, None] + mx.arange(len(step))[None, None, :, None]
         return cls(
-            offsets=mx.array(start.astype(np.int32)),
-            write_blocks=mx.array(write_blocks.reshape(-1).astype(np.int32)),
-            write_slots=mx.array(write_slots.reshape(-1).astype(np.int32)),
+            offsets=offsets,
+            write_rows=mx.array(write_rows.reshape(-1).astype(np.int32)),
             read_rows=mx.array(
-                padded[:, None, :] * num_kv_heads + np.arange(num_kv_heads)[:, None]
+                (padded[:, None, :num_read] * num_kv_heads + heads).astype(np.int32)
             ),
-            mask=mx.array(mask),
+            mask=mx.arange(num_read * block_size) <= queries,
             num_read_blocks=num_read,
         )
 
@@ -215,13 +254,10 @@ class PagedKVCache:
 
     def _write_read(self, pools: list[mx.array], new: mx.array) -> mx.array:
         layout = self.layout
-        batch, heads, width, dim = new.shape
+        batch, heads, _, dim = new.shape
         pool = pools[self.layer]
-        pool[layout.write_blocks, :, layout.write_slots] = new.transpose(0, 2, 1, 3).reshape(
-            batch * width, heads, dim
-        )
+        pool[layout.write_rows] = new.reshape(-1, dim)
         pools[self.layer] = pool
-        block_size = pool.shape[2]
-        flat = pool.reshape(-1, block_size * dim)
-        fetched = flat[layout.read_rows]  # [B, H, K, bs * D]
+        block_size = self.arena.block_size
+        fetched = pool.reshape(-1, block_size * dim)[layout.read_rows]  # [B, H, K, bs * D]
         return fetched.reshape(batch, heads, layout.num_read_blocks * block_size, dim)

@@ -92,7 +92,7 @@ def build_engine(
     speculative: Speculation | None = None,
     clock: Literal["virtual", "wall"] = "virtual",
     seed: int = 0,
-    pipeline: bool | None = None,
+    pipeline: bool = False,
     logprobs_mode: LogprobsMode = "raw_logprobs",
 ) -> LLMEngine:
     """The ``engine`` config group's target: ``LLMEngine.build`` with the clock named."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -14,6 +15,8 @@ from omegaconf import DictConfig
 import harness  # noqa: F401  (switches MLX to MKL before a test module imports mlx)
 from harness.models import LoadedModel, random_model
 from harness.run import CONFIG_DIR
+
+ROOT = Path(__file__).resolve().parent.parent  # this checkout
 
 # Seconds-long experiments: six short requests, a small arena, no progress bar.
 TINY = ("trace=smoke", "engine.num_blocks=64", "progress=false")
@@ -38,13 +41,16 @@ def compose_cfg() -> Callable[..., DictConfig]:
 
 
 def run_kvbench(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m harness.run *args`` in a subprocess (a fresh Hydra, as from a shell)."""
+    """``python -m harness.run *args`` in a subprocess (a fresh Hydra, as from a shell), on
+    this checkout's code (not only the installed one: a git worktree tests its own)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-m", "harness.run", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "PYTHONPATH": path},
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"kvbench {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")

@@ -44,11 +44,9 @@ def engine(model, allocator, *, pipeline, num_blocks=64, block_size=16, **schedu
     )
 
 
-def test_the_default_pipelines_on_a_gpu_only(model):
-    import mlx.core as mx
-
-    on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    assert engine(model, ALLOCATORS[0], pipeline=None).pipeline is on_gpu
+def test_steps_are_synchronous_by_default(model):
+    built = LLMEngine.build(model, ALLOCATORS[0], FCFSScheduler, num_blocks=8)
+    assert built.pipeline is False
 
 
 @pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)

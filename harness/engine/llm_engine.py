@@ -9,12 +9,8 @@ waiting; the next step schedules, builds and launches its own forward, feeding t
 straight from the device, and only then reads them on the host, stamps them, and applies
 stop conditions. A row computed for a sequence that turns out to have stopped is dropped,
 never emitted. A sequence sure to stop on its pending token (its last by ``max_tokens`` or
-the model length) gives its blocks back before that token is read. ``pipeline`` is on by
-default on a GPU only (see ``LLMEngine.__init__``).
-
-The engine owns the loop and the clock; the scheduler decides, the allocator keeps block
-state, the runner owns MLX. ``add_request`` and ``abort_request`` may be called from other
-threads while one thread drives ``step``: all three take one lock.
+the model length) gives its blocks back before that token is read. ``pipeline`` is off by
+default (see ``LLMEngine.__init__``).
 """
 
 from __future__ import annotations
@@ -81,7 +77,7 @@ class LLMEngine:
         clock: Clock | None = None,
         seed: int = 0,
         record: bool = True,
-        pipeline: bool | None = None,
+        pipeline: bool = False,
         logprobs_mode: LogprobsMode = "raw_logprobs",
     ) -> None:
         """``logprobs_mode`` (vLLM's, engine-wide as there): what ``SamplingParams.logprobs``
@@ -105,12 +101,12 @@ class LLMEngine:
         self.clock = clock or VirtualClock()
         self.seed = seed
         self.logprobs_mode = logprobs_mode
-        # Steps one deep (see the module docstring); by default on a GPU only. On MLX's CPU
-        # build async_eval returns only when all but the graph's last few dozen ops have
-        # run, and the host then competes with the BLAS threads: pipelined decode measured
-        # 1-25 % slower there, side by side.
-        on_gpu = mx.default_device().type == mx.DeviceType.gpu
-        self.pipeline = on_gpu if pipeline is None else pipeline
+        # Steps one deep (see the module docstring), off by default. On MLX's CPU build
+        # async_eval returns only when all but the graph's last few dozen ops have run, and
+        # the host then competes with the BLAS threads: pipelined decode measured 1-25 %
+        # slower, side by side. On Metal it is unmeasured, and a step's arena writes
+        # dispatched while the previous step's reads are pending may copy whole layers.
+        self.pipeline = pipeline
         self.arena = KVArena.for_model(model, allocator.num_blocks, allocator.block_size)
         self.runner = ModelRunner(model, self.arena)
         self.proposer = proposer  # the draft model, when speculating

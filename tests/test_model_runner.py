@@ -1,10 +1,15 @@
 """How the runner groups a step's rows into padded batches (no row pays for another's
 length or context beyond what a batch of its own would cost). Costs are in tokens through
-the weights, for the tiny model: a key costs 1 / (4 x 256) of a token, a group 16 tokens."""
+the weights, for the tiny model: a key costs 1 / (4 x 256) of a token, a group 16 tokens.
+And that a step of several groups still writes the arena in place."""
 
 from __future__ import annotations
 
-from harness.engine.model_runner import GROUP_COST, Row, group_rows
+import mlx.core as mx
+
+from allocators.free_list import FreeListAllocator
+from harness.engine.kv_cache import KVArena
+from harness.engine.model_runner import GROUP_COST, ModelRunner, Row, group_rows
 
 KEY = 1 / 1024
 
@@ -36,3 +41,24 @@ def test_decodes_are_not_padded_to_a_prefill():
     """Eight decodes at context 51 and a 64-token prompt: together 16 + 9 x 64 x 1.06,
     apart 24.4 + 84."""
     assert group_rows(rows(*[(1, 50)] * 8, (64, 0)), KEY) == [list(range(8)), [8]]
+
+
+def test_a_step_of_two_row_groups_writes_the_arena_in_place(model):
+    """Two groups in one step (a long context decode reads alone): the second group's
+    writes must not copy a layer of the arena (MLX copies an array written while a read of
+    it is pending). A 4096-block arena's layer is 33.6 MB; the step needs far less."""
+    alloc = FreeListAllocator(num_blocks=4096, block_size=16)
+    arena = KVArena.for_model(model, alloc.num_blocks, alloc.block_size)
+    runner = ModelRunner(model, arena)
+    layer = arena.keys[0].nbytes
+    specs = [*[(str(i), 64) for i in range(31)], ("long", 3000)]
+    for rid, n in specs:
+        alloc.allocate(rid, n)
+    step = [Row([1], n - 1, alloc.block_table(rid)) for rid, n in specs]
+    assert len(group_rows(step, runner.key_cost)) == 2
+    runner.run(step)  # first-time allocations are not the point
+    mx.eval(arena.keys, arena.values)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    runner.run(step)
+    assert mx.get_peak_memory() - before < layer / 2

@@ -114,3 +114,27 @@ def test_aborting_a_request_aborts_every_completion(model, prompt):
 def test_n_must_be_a_positive_int():
     with pytest.raises(SamplingParamsError, match=r"SamplingParams\.n=0 is invalid"):
         SamplingParams(n=0)
+
+
+def test_unseeded_completions_of_two_requests_do_not_share_a_seed(model, prompt):
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    a, b = engine(model, ALLOCATORS[0]).generate([prompt, prompt], sampled)
+    tokens = [tuple(c.token_ids) for out in (a, b) for c in out.outputs]
+    assert len(set(tokens)) == 4
+
+
+def test_completion_ids_of_a_running_request_are_taken(model, prompt):
+    from harness.engine import RequestError
+
+    e = engine(model, ALLOCATORS[0])
+    e.add_request("a", prompt, dataclasses.replace(GREEDY, n=3))
+    for taken in ("a/1", "a/2"):
+        with pytest.raises(RequestError, match="already in use"):
+            e.add_request(taken, prompt, GREEDY)
+    e.add_request("a/3", prompt, GREEDY)  # not one of its completions
+    e.add_request("b/1", prompt, GREEDY)
+    with pytest.raises(RequestError, match="already in use"):
+        e.add_request("b", prompt, dataclasses.replace(GREEDY, n=2))  # b/1 exists
+    while e.has_unfinished_requests():
+        e.step()
+    assert_all_free(e)

@@ -149,3 +149,26 @@ def test_steps_that_need_the_host_run_synchronously_beside_pipelined_ones(model,
     ]
     for a, b in zip(*runs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_a_synchronous_step_drops_a_sequence_that_stopped_on_the_token_it_read(
+    model, prompts, reference
+):
+    """A greedy request's stop token is still on the device when a sampled request joins:
+    the next step is synchronous, reads the stop first, and runs without the stopped row."""
+    stop = reference[2][4]
+    first = reference[2].index(stop)
+    params = dataclasses.replace(GREEDY, ignore_eos=False, stop_token_ids=(stop,))
+    e = engine(model, ALLOCATORS[0], pipeline=True)
+    e.add_request("s", prompts[2], params)
+    finished = {}
+    while "s" not in finished:
+        if e._inflight and e._inflight[0][0].num_output_tokens == first + 1:
+            e.add_request("sampled", prompts[1], SamplingParams(temperature=0.9, seed=2))
+        for out in e.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0]
+    assert finished["s"].token_ids == reference[2][: first + 1]
+    while e.has_unfinished_requests():
+        e.step()
+    assert_all_free(e)

@@ -225,7 +225,9 @@ class LLMEngine:
             )
         restored = self._restorable(request_id, restore_kv, tokens, params) if restore_kv else None
         with self._lock:
-            if request_id in self._requests or request_id in self._groups:
+            # Completions 1.. of a request with n > 1 take the ids ID/1, ID/2, ...
+            ids = [request_id, *(f"{request_id}/{i}" for i in range(1, params.n))]
+            if any(i in self._requests or self._completion_id(i) for i in ids):
                 raise RequestError(f"request_id {request_id!r} is already in use: pick a new one")
             seed = self.seed * 1_000_003 + self._num_added
             seq = Seq(
@@ -239,8 +241,10 @@ class LLMEngine:
                 ttft_slo=ttft_slo,
                 tpot_slo=tpot_slo,
             )
-            self._num_added += 1
+            self._num_added += params.n  # completion i falls back to seed + i: no overlap
             self._requests[request_id] = seq
+            if params.n > 1:
+                self._groups[request_id] = [seq]
             if save_kv is not None:
                 self._save_to[request_id] = Path(save_kv)
             num_restored = 0
@@ -252,7 +256,7 @@ class LLMEngine:
         """Stop a request in any state; its blocks are free when this returns."""
         with self._lock:
             group = self._groups.get(request_id)
-            ids = [s.request_id for s in group] if group else [request_id]
+            ids = [s.request_id for s in group if not s.finished] if group else [request_id]
             for rid in ids:
                 seq = self.scheduler.abort(rid)
                 if seq is None:
@@ -261,6 +265,12 @@ class LLMEngine:
                     seq.token_ids.pop()
                 self._finish(seq, "abort", self.clock.now(), abort_reason="aborted by the user")
                 self._pending.append(self._output(seq))
+
+    def _completion_id(self, request_id: str) -> bool:
+        """``request_id`` is (or will be) a completion of a running request with n > 1."""
+        parent, _, index = request_id.rpartition("/")
+        group = self._groups.get(parent)
+        return group is not None and index.isdigit() and 0 < int(index) < group[0].params.n
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or an abort's output is not yet returned."""
@@ -305,7 +315,11 @@ class LLMEngine:
         self._verifications = Verifications()
         self._waited = 0.0
         pipelined = self.pipeline and self._on_device(plan)
-        outputs = [] if pipelined else self._resolve(start)  # rows need every token on host
+        outputs = []
+        if not pipelined:  # its rows need every token on the host
+            outputs = self._resolve(start)
+            # A sequence that stopped on the token just read runs no more.
+            plan.scheduled = [s for s in plan.scheduled if not s.seq.finished]
         forward = tokens = None
         if plan.scheduled:
             forward = self.runner.forward(self._rows(plan), self._inflight_tokens)
@@ -505,7 +519,7 @@ class LLMEngine:
             if seq.num_computed_tokens == seq.num_tokens:
                 # The prompt is done: n > 1 forks the other completions off it, each
                 # sampling its first token from the same logits.
-                fork = seq.params.n > 1 and seq.group_id not in self._groups
+                fork = seq.params.n > 1 and len(self._groups[seq.group_id]) == 1
                 for completion in [seq, *self._fork(seq)] if fork else [seq]:
                     to_sample.append(completion)
                     picks.append(offset)
@@ -529,7 +543,7 @@ class LLMEngine:
     def _fork(self, parent: Seq) -> list[Seq]:
         """The other n - 1 completions of ``parent``'s request, on its prompt's KV (shared
         or copied by the allocator); completion i samples with seed ``seed + i`` (vLLM)."""
-        params, group = parent.params, [parent]
+        params, group = parent.params, self._groups[parent.group_id]
         for i in range(1, params.n):
             child = Seq(
                 request_id=f"{parent.request_id}/{i}",
@@ -551,7 +565,6 @@ class LLMEngine:
                 child.num_cached_tokens = parent.num_computed_tokens  # its prompt KV is shared
                 self.runner.copy_blocks(allocation.copies)
             group.append(child)
-        self._groups[parent.group_id] = group
         return group[1:]
 
     def _prompt_logprobs(self, seq: Seq, positions: range, logits: mx.array) -> None:
@@ -804,8 +817,9 @@ class LLMEngine:
 def _prompt_positions(seq: Seq, num_new_tokens: int) -> range:
     """The positions of a step's chunk whose logits give prompt logprobs not yet taken
     (position p's logits score prompt token p + 1): none after the prompt's last but one, and
-    none twice, so a recompute after preemption takes none."""
-    if seq.params.prompt_logprobs is None:
+    none twice, so a recompute after preemption takes none; none for completions 1.. of a
+    request with n > 1 (completion 0 reports them)."""
+    if seq.params.prompt_logprobs is None or seq.index:
         return range(0)
     first = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
     end = min(seq.num_computed_tokens + num_new_tokens, seq.num_prompt_tokens - 1)

@@ -138,3 +138,11 @@ def test_completion_ids_of_a_running_request_are_taken(model, prompt):
     while e.has_unfinished_requests():
         e.step()
     assert_all_free(e)
+
+
+def test_unfinished_requests_count_requests_not_completions(model, prompt):
+    e = engine(model, ALLOCATORS[0])
+    e.add_request("a", prompt, dataclasses.replace(GREEDY, n=3))
+    e.add_request("b", prompt, GREEDY)
+    e.step()
+    assert e.get_num_unfinished_requests() == 2

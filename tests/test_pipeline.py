@@ -172,3 +172,20 @@ def test_a_synchronous_step_drops_a_sequence_that_stopped_on_the_token_it_read(
     while e.has_unfinished_requests():
         e.step()
     assert_all_free(e)
+
+
+def test_an_abort_after_the_blocks_went_back_still_aborts(model, prompts, reference):
+    """max_tokens=3: the step that launches the last token releases the blocks at once; an
+    abort then still ends the request as aborted, without that token."""
+    e = engine(model, ALLOCATORS[0], pipeline=True)
+    e.add_request("a", prompts[1], dataclasses.replace(GREEDY, max_tokens=3))
+    while not e._draining:
+        e.step()
+    e.abort_request("a")
+    outputs = []
+    while e.has_unfinished_requests():
+        outputs += e.step()
+    (out,) = outputs
+    assert out.outputs[0].finish_reason == "abort"
+    assert out.outputs[0].token_ids == reference[1][:2]
+    assert_all_free(e)

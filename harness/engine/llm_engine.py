@@ -258,13 +258,20 @@ class LLMEngine:
             group = self._groups.get(request_id)
             ids = [s.request_id for s in group if not s.finished] if group else [request_id]
             for rid in ids:
-                seq = self.scheduler.abort(rid)
+                seq = self.scheduler.abort(rid) or self._released_early(rid)
                 if seq is None:
                     continue
                 if seq.token_ids[-1] == INFLIGHT:  # its pending token is never emitted
                     seq.token_ids.pop()
                 self._finish(seq, "abort", self.clock.now(), abort_reason="aborted by the user")
                 self._pending.append(self._output(seq))
+
+    def _released_early(self, request_id: str) -> Seq | None:
+        """The sequence ``request_id`` if it already gave its blocks back to stop on a token
+        still on the device (pipelined steps); it leaves that set."""
+        seq = next((s for s in self._draining if s.request_id == request_id), None)
+        self._draining.discard(seq)
+        return seq
 
     def _completion_id(self, request_id: str) -> bool:
         """``request_id`` is (or will be) a completion of a running request with n > 1."""
@@ -278,8 +285,11 @@ class LLMEngine:
             return self.scheduler.has_unfinished() or bool(self._pending or self._inflight)
 
     def get_num_unfinished_requests(self) -> int:
+        """Requests (not completions of n > 1) still running or waiting."""
         with self._lock:
-            return self.scheduler.num_unfinished() + len(self._draining)
+            sched = self.scheduler
+            queued = [*sched.waiting, *sched.running, *sched.swapped, *self._draining]
+            return len({seq.group_id for seq in queued})
 
     # -- the loop ------------------------------------------------------------------------
     def step(self, next_arrival: float | None = None) -> list[RequestOutput]:

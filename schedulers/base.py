@@ -170,10 +170,7 @@ class Scheduler(ABC):
         for queue in (self.waiting, self.running, self.swapped):
             for seq in queue:
                 if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self._release(request_id)
-                    self.host_blocks.pop(request_id, None)
-                    self.restored.pop(request_id, None)
+                    self.finish(seq)
                     return seq
         return None
 

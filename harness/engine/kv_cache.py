@@ -104,7 +104,7 @@ class KVArena:
         idx = mx.array(blocks, dtype=mx.int32)
         # numpy has no bfloat16: move the raw bits. np.array copies out of MLX's buffer, so
         # the copy is paid even on unified memory (it is what the step's swap_time measures).
-        raw = _RAW[self.keys[0].dtype.size]
+        raw = RAW_BITS[self.keys[0].dtype.size]
         keys = [np.array(self.blocks(pool)[idx].view(raw)) for pool in self.keys]
         values = [np.array(self.blocks(pool)[idx].view(raw)) for pool in self.values]
         return HostBlocks(keys, values)
@@ -146,7 +146,9 @@ def _runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-_RAW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+# Unsigned ints of each dtype size: host copies keep an array's raw bits (numpy has no
+# bfloat16).
+RAW_BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 @dataclass

@@ -36,12 +36,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from allocators.base import blocks_for
-from harness.engine.kv_cache import HostBlocks
+from harness.engine.kv_cache import RAW_BITS, HostBlocks
 from harness.models import LoadedModel
 
 FORMAT = "kvbench-kv/1"
 SAMPLES_PER_TENSOR = 1024  # weight elements hashed per tensor for the fingerprint
-_RAW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}  # host blocks keep raw bits
 
 
 class KVFileError(ValueError):
@@ -95,7 +94,7 @@ def model_fingerprint(model: LoadedModel) -> str:
     digest = hashlib.sha256()
     for (name, w), sample in zip(params, samples, strict=True):
         digest.update(f"{name}{w.shape}{w.dtype}".encode())
-        digest.update(memoryview(np.array(sample.view(_RAW[sample.dtype.size]))))
+        digest.update(memoryview(np.array(sample.view(RAW_BITS[sample.dtype.size]))))
     return (
         f"{arch} layers={model.num_layers} kv_heads={model.num_kv_heads} "
         f"head_dim={model.head_dim} dtype={_dtype_name(model.dtype)} "
@@ -157,7 +156,7 @@ def load(path: str | Path, spec: KVSpec) -> SavedKV:
             f"KV file {path} does not hold {num_blocks} {_dtype_name(spec.dtype)} blocks per "
             f"layer for its {len(token_ids)} tokens"
         )
-    bits = _RAW[spec.dtype.size]
+    bits = RAW_BITS[spec.dtype.size]
     raw = {name: np.array(a.view(bits)) for name, a in arrays.items()}
     if meta.get("checksum") != _checksum(raw):
         raise KVFileError(f"KV file {path} is corrupted: its tensors do not match its checksum")

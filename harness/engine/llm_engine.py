@@ -40,6 +40,7 @@ from harness.engine.sampling import (
     LogprobsMode,
     SampleRow,
     SamplingParams,
+    TokenLogprobs,
     logprob_dict,
     logprob_values,
     make_rng,
@@ -582,7 +583,7 @@ class LLMEngine:
         outputs = [self._accept(seq, got, now) for seq, got in verified]
         for seq, pick in zip(to_sample, sampled, strict=True):
             if pick.logprobs is not None:
-                seq.logprobs.append(pick.logprobs)
+                seq.logprobs.append(self._decoded(pick.logprobs))
             self._append(seq, pick.token, now)
             outputs.append(self._output(seq))
         for (seq, _), row in zip(offering, candidates if offering else [], strict=True):
@@ -715,7 +716,7 @@ class LLMEngine:
         n = seq.params.prompt_logprobs
         for row, p in zip(table, positions, strict=True):
             values = logprob_values(row, row, None, seq.params, "raw_logprobs")
-            seq.prompt_logprobs.append(logprob_dict(values, seq.token_ids[p + 1], n))
+            seq.prompt_logprobs.append(self._decoded(logprob_dict(values, seq.token_ids[p + 1], n)))
 
     def _verify(
         self, plan: SchedulerOutput, logits: mx.array, at: dict[Seq, int]
@@ -752,7 +753,7 @@ class LLMEngine:
         finished = False
         for j, token in enumerate(got.tokens):  # stop conditions drop what follows a stop
             if got.logprobs is not None:
-                seq.logprobs.append(got.logprobs[j])
+                seq.logprobs.append(self._decoded(got.logprobs[j]))
             if finished := self._append(seq, token, now):
                 break
         if not finished:
@@ -913,15 +914,28 @@ class LLMEngine:
         stop = seq.stop_reason
         if isinstance(stop, str):
             text = text[: text.index(stop)]
-        # Copies: an output the caller holds must not grow with the sequence.
+        logprobs = cumulative = None
+        if seq.params.logprobs is not None:
+            # Copies: an output the caller holds must not grow with the sequence.
+            logprobs = list(seq.logprobs)
+            tokens = seq.output_token_ids
+            cumulative = sum(lp[t].logprob for t, lp in zip(tokens, logprobs, strict=True))
         return CompletionOutput(
             index=seq.index,
             text=text,
             token_ids=seq.output_token_ids,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            logprobs=logprobs,
             finish_reason=seq.finish_reason,
             stop_reason=stop,
+            cumulative_logprob=cumulative,
         )
+
+    def _decoded(self, logprobs: TokenLogprobs) -> TokenLogprobs:
+        """``logprobs`` with each token's text (vLLM's ``decoded_token``), if a tokenizer."""
+        tokenizer = self.model.tokenizer
+        if tokenizer is None:
+            return logprobs
+        return {t: replace(lp, decoded_token=tokenizer.decode([t])) for t, lp in logprobs.items()}
 
     def _text(self, seq: Seq) -> str:
         tokenizer = self.model.tokenizer

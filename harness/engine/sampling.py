@@ -150,11 +150,12 @@ class SampleRow:
 
 @dataclass(frozen=True)
 class Logprob:
-    """One token's log-probability (or logit, by ``logprobs_mode``) and its rank, 1 = the
-    highest (vLLM's ``Logprob`` without ``decoded_token``)."""
+    """One token's log-probability (or logit, by ``logprobs_mode``), its rank, 1 = the
+    highest, and its text when the model has a tokenizer (vLLM's ``Logprob``)."""
 
     logprob: float
     rank: int
+    decoded_token: str | None = None
 
 
 TokenLogprobs = dict[int, Logprob]  # token id -> Logprob, at one position

@@ -825,6 +825,65 @@ class LLMEngine:
         )
         return None
 
+    def save_prefix_cache(self, folder: str | Path) -> int:
+        """Snapshot the radix allocator's whole prefix cache into ``folder`` (created): one
+        KV file per root-to-leaf path of the tree, its tokens and blocks (the format of
+        ``save_kv``). Returns the number of paths. Between steps, like every engine call."""
+        with self._lock:
+            paths = self._radix("save_prefix_cache").cached_paths()
+            folder = Path(folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            for i, (tokens, blocks) in enumerate(paths):
+                host = self.runner.swap_out(blocks)
+                persistence.save(folder / f"path-{i:05d}.safetensors", self.kv_spec, tokens, host)
+            return len(paths)
+
+    def restore_prefix_cache(self, folder: str | Path) -> int:
+        """Load a ``save_prefix_cache`` snapshot into the prefix cache: each path's blocks
+        that the tree lacks are written into free blocks and indexed, cached and held by
+        nobody, so later requests hit them. A file that cannot be used warns
+        (``KVRestoreWarning``) and is skipped; when the free blocks run out the restore stops
+        with a warning rather than evict what it restored. Returns the tokens restored."""
+        with self._lock:
+            alloc = self._radix("restore_prefix_cache")
+            files = sorted(Path(folder).glob("path-*.safetensors"))
+            if not files:
+                raise ValueError(f"{folder} holds no prefix-cache snapshot (path-*.safetensors)")
+            bs, restored = alloc.block_size, 0
+            for i, path in enumerate(files):
+                try:
+                    saved = persistence.load(path, self.kv_spec)
+                except persistence.KVFileError as e:
+                    warnings.warn(f"{e}; skipped", persistence.KVRestoreWarning, stacklevel=2)
+                    continue
+                tokens = saved.token_ids[: len(saved.token_ids) // bs * bs]
+                slot = f"restore-prefix-cache/{i}"
+                have = alloc.match_prefix(slot, [*tokens, -1])  # every full block may match
+                if alloc.stats().free_blocks < blocks_for(len(tokens) - have, bs):
+                    alloc.free(slot)
+                    warnings.warn(
+                        f"prefix-cache restore stopped at {path.name} ({i} of {len(files)} "
+                        "paths): the arena's free blocks are used up",
+                        persistence.KVRestoreWarning,
+                        stacklevel=2,
+                    )
+                    break
+                alloc.allocate(slot, len(tokens))
+                first = have // bs
+                self.runner.swap_in(saved.blocks, alloc.block_table(slot)[first:], first)
+                alloc.commit(slot, tokens)
+                alloc.free(slot)
+                restored += len(tokens) - have
+            return restored
+
+    def _radix(self, what: str):
+        if not hasattr(self.allocator, "cached_paths"):
+            raise ValueError(
+                f"{what} needs a prefix cache: allocator {type(self.allocator).__name__} "
+                "keeps none; use the radix allocator"
+            )
+        return self.allocator
+
     def _release(self, seq: Seq) -> None:
         """Give a finishing sequence's blocks back, saving its KV first if asked (save_kv)."""
         path = self._save_to.pop(seq.request_id, None)

@@ -857,7 +857,7 @@ class LLMEngine:
                     warnings.warn(f"{e}; skipped", persistence.KVRestoreWarning, stacklevel=2)
                     continue
                 tokens = saved.token_ids[: len(saved.token_ids) // bs * bs]
-                slot = f"restore-prefix-cache/{i}"
+                slot = f"\0restore-prefix-cache/{i}"  # a scratch sequence no request is
                 have = alloc.match_prefix(slot, [*tokens, -1])  # every full block may match
                 if alloc.stats().free_blocks < blocks_for(len(tokens) - have, bs):
                     alloc.free(slot)

@@ -185,13 +185,14 @@ class Scheduler(ABC):
         """Run ``child`` beside ``parent`` on the parent's KV (parallel sampling): the
         allocator shares or copies the parent's blocks (``Allocation.copies`` for the
         engine). Without room, at ``max_num_seqs``, or when the parent holds no blocks (it
-        was preempted), the child waits and recomputes."""
+        was preempted), the child waits at the head of the line and recomputes."""
         alloc = None
         if parent.status is Status.RUNNING and len(self.running) < self.max_num_seqs:
             alloc = self.allocator.fork(parent.request_id, child.request_id)
-        if alloc is None:
+        if alloc is None:  # first in line: its request is already in
             child.num_computed_tokens = 0
-            self.add(child)
+            child.status = Status.WAITING
+            self.waiting.appendleft(child)
             return None
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = Status.RUNNING

@@ -144,18 +144,19 @@ def test_width_one_is_mlx_lms_greedy_generation(model, prompts):
 
 def test_eos_candidates_complete_and_the_length_penalty_ranks_them(model, prompts):
     """The EOS is a token the first round offers (the prompt's 2nd best), so hypotheses end
-    early and compete with the live beams at the end, under two length penalties."""
+    early and compete with the live beams at the end, under two length penalties; with
+    ignore_eos the EOS-ending beams go on, scored one token shorter (vLLM)."""
     prompt = prompts[0]
     from reference import mlx_lm_logprobs
 
     row = mlx_lm_logprobs(model, prompt)[-1]
     eos = int(np.argsort(-row)[1])
-    for penalty in (0.0, 2.0):
+    for penalty, ignore_eos in [(0.0, False), (2.0, False), (1.0, True)]:
         e = engine(model, ALLOCATORS[0])
         e.model = type(e.model)(**{**e.model.__dict__, "eos_token_ids": (eos,)})
-        params = BeamSearchParams(beam_width=2, max_tokens=MAX_TOKENS, length_penalty=penalty)
+        params = BeamSearchParams(2, MAX_TOKENS, ignore_eos=ignore_eos, length_penalty=penalty)
         (out,) = e.generate([prompt], params)
-        ref = beam_search_reference(model, prompt, 2, MAX_TOKENS, (eos,), penalty)
+        ref = beam_search_reference(model, prompt, 2, MAX_TOKENS, (eos,), penalty, ignore_eos)
         assert_matches([out], [ref])
         assert_all_free(e)
         if penalty == 0.0:  # the raw cumulative logprob favours the 1-token hypothesis
@@ -206,3 +207,62 @@ def test_the_summary_reports_the_kv_saved_by_sharing_beams(model, prompts):
     )
     assert 0 < summary["kv_sharing_saving"] < 1
     assert summary["completed"] == 3
+
+
+def test_under_ignore_eos_a_beam_ending_in_eos_is_scored_one_token_shorter(model, prompts):
+    """vLLM's get_beam_search_score drops a final EOS from the length even when EOS is
+    ignored. One round, width 2, EOS the 2nd best of 4 candidates c1 > c2 > c3 > c4: the EOS
+    beam scores c2 / (L - 1), the 3rd c3 / L (L = prompt + 1), and the larger goes on."""
+    from reference import mlx_lm_logprobs
+
+    prompt = prompts[0]
+    row = mlx_lm_logprobs(model, prompt)[-1].astype(np.float64)
+    top = [int(t) for t in np.argsort(-row)[:3]]
+    eos, third, n = top[1], top[2], len(prompt) + 1
+    second = eos if row[eos] / (n - 1) > row[third] / n else third
+    e = engine(model, ALLOCATORS[0])
+    e.model = type(e.model)(**{**e.model.__dict__, "eos_token_ids": (eos,)})
+    (out,) = e.generate([prompt], BeamSearchParams(2, max_tokens=1, ignore_eos=True))
+    assert [c.token_ids for c in out.outputs] == [[top[0]], [second]]
+    assert second == third  # here c2 / (L - 1) < c3 / L: raw order would have kept EOS
+
+
+def test_a_running_searchs_ids_stay_taken_and_a_beams_own_id_is_not_a_request(model, prompts):
+    """Found on review: the search's id stays taken after its first beam is dropped, a
+    search whose beams' ids are taken is refused, and aborting a beam's own id is a no-op."""
+    e = engine(model, ALLOCATORS[0])
+    e.add_request("Y/beam1", prompts[2], SamplingParams(temperature=0, max_tokens=2))
+    with pytest.raises(ValueError, match=r"'Y' is already in use \('Y/beam1'\)"):
+        e.add_request("Y", prompts[1], BeamSearchParams(beam_width=3, max_tokens=4))
+    # This prompt's first beam is not chosen in an early round (found by search).
+    prompt = np.random.default_rng(0).integers(1, 1024, 10).tolist()
+    e.add_request("X", prompt, BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))
+    root_dropped, final = False, []
+    while e.has_unfinished_requests():
+        final += [o for o in e.step() if o.request_id == "X"]
+        if "X" in e._beams:
+            root_dropped |= "X" not in e._requests
+            with pytest.raises(ValueError, match="'X' is already in use"):
+                e.add_request("X", prompts[2])
+            e.abort_request("X/beam2")
+    assert root_dropped
+    (out,) = final
+    assert out.finished and len(out.outputs) == 3 and out.outputs[0].finish_reason == "length"
+    assert_all_free(e)
+
+
+def test_a_beam_that_cannot_fork_waits_first_in_line(model, prompts):
+    """max_num_seqs=4 and 20 requests behind a width-3 search: a beam forked without a seat
+    waits at the head of the line, so the search is not held up behind later arrivals."""
+    rng = np.random.default_rng(1)
+    e = engine(model, ALLOCATORS[0], num_blocks=200, max_num_seqs=4)
+    e.add_request("B", prompts[0], BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True))
+    for i in range(20):
+        prompt = rng.integers(1, 1024, 16).tolist()
+        e.add_request(
+            f"n{i}", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        )
+    order = [
+        o.request_id for _ in iter(e.has_unfinished_requests, False) for o in e.step() if o.finished
+    ]
+    assert order.index("B") < 6

@@ -125,12 +125,18 @@ class BeamGroup:
                 if token in self.eos_token_ids and not self.params.ignore_eos:
                     self._complete(beam, beam.output_token_ids + [token], total, "stop")
                 else:
-                    survivors.append((beam, token, total))
+                    length = beam.num_tokens + 1
+                    value = self._score(length, total, token)
+                    survivors.append((value, beam, token, total))
         self.offers.clear()
-        # All survivors have one length, so the score orders them as their cumulative logprob
-        # does; sorted() is stable, so ties keep beam-then-rank order (as vLLM's do).
-        survivors.sort(key=lambda c: c[2], reverse=True)
-        return survivors[: self.params.beam_width]
+        # By score, as vLLM (which shortens an EOS-ending beam even under ignore_eos);
+        # sorted() is stable, so ties keep beam-then-rank order (as vLLM's do).
+        survivors.sort(key=lambda c: c[0], reverse=True)
+        return [(beam, token, total) for _, beam, token, total in survivors[: self.width]]
+
+    @property
+    def width(self) -> int:
+        return self.params.beam_width
 
     def finish(self, reason: str) -> list[Hypothesis]:
         """The live beams join the completed; the best ``beam_width`` by score, best first."""
@@ -138,12 +144,17 @@ class BeamGroup:
             self._complete(beam, beam.output_token_ids, beam.cumulative_logprob, reason)
         self.beams = []
         ranked = sorted(self.completed, key=lambda h: h.score, reverse=True)
-        return ranked[: self.params.beam_width]
+        return ranked[: self.width]
 
     def _complete(self, beam: Seq, output: list[int], total: float, reason: str) -> None:
-        length = beam.num_prompt_tokens + len(output)
-        value = score(length, total, reason == "stop", self.params.length_penalty)
+        last = output[-1] if output else beam.token_ids[-1]
+        value = self._score(beam.num_prompt_tokens + len(output), total, last)
         self.completed.append(Hypothesis(output, total, reason, value))
+
+    def _score(self, num_tokens: int, total: float, last_token: int) -> float:
+        """vLLM's score of a beam of ``num_tokens`` tokens ending in ``last_token``."""
+        ends_in_eos = last_token in self.eos_token_ids
+        return score(num_tokens, total, ends_in_eos, self.params.length_penalty)
 
 
 def _is_int(x: object) -> bool:

@@ -240,10 +240,18 @@ class LLMEngine:
             )
         restored = self._restorable(request_id, restore_kv, tokens, params) if restore_kv else None
         with self._lock:
-            # Completions 1.. of a request with n > 1 take the ids ID/1, ID/2, ...
+            # Completions 1.. of a request with n > 1 take the ids ID/1, ID/2, ...; a beam
+            # search's beams ID/beam1, ID/beam2, ...: any ID/... may be taken later.
             ids = [request_id, *(f"{request_id}/{i}" for i in range(1, params.n))]
-            if any(i in self._requests or self._completion_id(i) for i in ids):
-                raise RequestError(f"request_id {request_id!r} is already in use: pick a new one")
+            taken = [i for i in ids if i in self._requests or self._completion_id(i)]
+            if request_id in self._groups or request_id in self._beams:
+                taken.append(request_id)  # its first sequence finished, the request runs
+            if beam is not None:
+                taken += [i for i in self._requests if i.startswith(f"{request_id}/")]
+            if taken:
+                raise RequestError(
+                    f"request_id {request_id!r} is already in use ({taken[0]!r}): pick a new one"
+                )
             seed = self.seed * 1_000_003 + self._num_added
             seq = Seq(
                 request_id=request_id,
@@ -277,6 +285,8 @@ class LLMEngine:
                     self._beams[request_id], "abort", self.clock.now(), "aborted by the user"
                 )
                 return
+            if request_id.rpartition("/")[0] in self._beams:
+                return  # a beam's own id: the engine's, not a request (vLLM ignores those)
             group = self._groups.get(request_id)
             ids = [s.request_id for s in group if not s.finished] if group else [request_id]
             for rid in ids:
@@ -337,6 +347,8 @@ class LLMEngine:
         """Outputs of pending aborts and of requests the scheduler rejected this step."""
         outputs, self._pending = self._pending, []
         for seq, reason in plan.rejected:
+            if seq.finished:  # a beam of a search another rejection just ended
+                continue
             if seq.group_id in self._beams:
                 outputs += self._end_beams(self._beams[seq.group_id], "abort", now, reason)
                 continue

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import SamplingParams, SamplingParamsError
+from harness.engine.sampling import SamplingParams, check_fields
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,7 @@ class BeamSearchParams:
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1"),
             ("length_penalty", math.isfinite(self.length_penalty), "a finite number"),
         ]
-        for name, ok, want in checks:
-            if not ok:
-                raise SamplingParamsError(
-                    f"BeamSearchParams.{name}={getattr(self, name)!r} is invalid: it must be {want}"
-                )
+        check_fields(self, checks)
 
     @property
     def num_candidates(self) -> int:

@@ -204,6 +204,35 @@ def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den > 0 else math.nan
 
 
+def itl_gaps(requests: pd.DataFrame) -> np.ndarray:
+    """The inter-token gaps of ``itl_*`` (s): between consecutive distinct ``token_times`` of
+    each completed request, pooled in row order (tokens one step produced together are one
+    chunk, as one streamed message in vLLM's ``bench serve``)."""
+    done = requests[requests["finish_reason"] != "abort"]
+    gaps = [np.diff(np.unique(np.asarray(t, dtype=np.float64))) for t in done["token_times"]]
+    return np.concatenate(gaps) if gaps else np.zeros(0)
+
+
+def decode_step_time(steps: pd.DataFrame) -> float:
+    """Median ``duration`` (s) of the steps that ran decodes and no prefill token
+    (``decode_tokens > 0``, ``prefill_tokens == 0``): what one token costs a decoding request
+    when no prompt shares its step. NaN without such a step."""
+    decode_only = steps[(steps["decode_tokens"] > 0) & (steps["prefill_tokens"] == 0)]
+    return float(decode_only["duration"].median()) if len(decode_only) else math.nan
+
+
+def decode_stalls(requests: pd.DataFrame, threshold: float) -> int:
+    """Decode stalls: the gaps of ``itl_gaps`` longer than ``threshold`` seconds.
+
+    Sarathi-Serve (Agrawal et al., OSDI'24, Fig. 1a) calls a *generation stall* the time
+    on-going decodes wait while a prefill runs; here a stall is a request's gap between two
+    tokens that exceeds ``threshold``, which the caller sets from a decode-only step
+    (``decode_step_time``), e.g. 5x, so that a gap counts when a prompt's computation, not
+    decoding, made it long. docs/results.md, "Derived figures".
+    """
+    return int((itl_gaps(requests) > threshold).sum())
+
+
 def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dict[str, Any]:
     """The run's figures (keys ``SUMMARY_KEYS``), computed only from the two tables;
     docs/results.md defines each and names the tool or paper it follows.
@@ -237,11 +266,10 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     ttft = done["first_token_time"] - done["arrival_time"]
     multi = done["output_tokens"] > 1
     tpot = (done["finish_time"] - done["first_token_time"]) / (done["output_tokens"] - 1)
-    itl = [g for times in done["token_times"] for g in np.diff(np.unique(times))]
     out: dict[str, Any] = {}
     out.update(_stats("ttft", ttft.dropna()))
     out.update(_stats("tpot", tpot[multi].dropna()))
-    out.update(_stats("itl", itl))
+    out.update(_stats("itl", itl_gaps(req)))
     out.update(_stats("e2e", (done["finish_time"] - done["arrival_time"]).dropna()))
 
     duration = req["finish_time"].max() - req["arrival_time"].min() if len(req) else math.nan

@@ -172,9 +172,19 @@ def rate_groups(frame: pd.DataFrame) -> pd.Series:
     )
 
 
+def finite_rates(frame: pd.DataFrame) -> pd.Series:
+    """Each run's ``trace.rate`` override as a number, NaN where it has none or it is ``inf``
+    (every request at t=0: no place on a rate axis). Overrides come back as int, float or the
+    string ``"inf"``, so they are converted before they are compared."""
+    if RATE not in frame:
+        return pd.Series(np.nan, index=frame.index)
+    rates = pd.to_numeric(frame[RATE].astype(str), errors="coerce")
+    return rates.where(np.isfinite(rates))
+
+
 def has_rate_dimension(frame: pd.DataFrame) -> bool:
-    """Whether the runs were given at least two request rates (``trace.rate`` overrides)."""
-    return RATE in frame and frame[RATE].dropna().nunique() > 1
+    """Whether the runs were given at least two finite request rates (``trace.rate``)."""
+    return finite_rates(frame).dropna().nunique() > 1
 
 
 def load_curves(frame: pd.DataFrame) -> Figure:
@@ -182,7 +192,8 @@ def load_curves(frame: pd.DataFrame) -> Figure:
     one line per policy (``rate_groups``). Needs ``has_rate_dimension(frame)``."""
     if not has_rate_dimension(frame):
         raise ValueError(f"the runs do not vary {RATE}: no load curve to draw")
-    rated = frame[frame[RATE].notna()].assign(group=rate_groups(frame))
+    rate = finite_rates(frame)
+    rated = frame.assign(group=rate_groups(frame), rate=rate)[rate.notna()]
     fig = _figure(12, 4.4)
     axes = fig.subplots(1, 3)
     panels = [
@@ -191,10 +202,10 @@ def load_curves(frame: pd.DataFrame) -> Figure:
         ("goodput", 1.0, "goodput (req/s)"),
     ]
     for i, (group, points) in enumerate(rated.groupby("group", sort=False)):
-        points = points.sort_values(RATE)
+        points = points.sort_values("rate")
         for ax, (key, scale, _) in zip(axes, panels, strict=True):
             ax.plot(
-                points[RATE].astype(float),
+                points["rate"],
                 points[key].astype(float) * scale,
                 marker="o",
                 color=f"C{i % 10}",
@@ -213,7 +224,7 @@ def load_curves(frame: pd.DataFrame) -> Figure:
     _footnote(
         fig,
         "summary.json: output_throughput, ttft_p99, goodput (docs/results.md), one point per "
-        f"run at its {RATE} override; runs without one are left out.",
+        f"run at its {RATE} override; runs without one, or at {RATE}=inf, are left out.",
     )
     return fig
 

@@ -13,6 +13,8 @@ from harness.metrics import (
     STEP_COLUMNS,
     SUMMARY_KEYS,
     MetricsError,
+    decode_stalls,
+    decode_step_time,
     format_summary,
     requests_frame,
     steps_frame,
@@ -118,6 +120,32 @@ def test_hand_built_memory_and_spec(hand_tables):
     assert s["spec_tokens_per_verification"] == pytest.approx(3.0)
     assert s["spec_draft_acceptance_rate"] == pytest.approx(0.5)
     assert (s["mlx_peak_bytes"], s["num_steps"]) == (300, 3)
+
+
+def test_decode_stalls_count_the_token_gaps_a_prompt_made_long():
+    """Hand-computed: decode-only steps of 0.1 s and 0.3 s (median 0.1), one 1.2 s step that
+    also ran a 512-token prompt. Request a decodes through it; b's gaps are all decode-only;
+    c was aborted (not counted, as ITL). At 5 x 0.1 s only a's 1.2 s gap is a stall."""
+    steps = steps_frame(
+        [
+            _step(0, 0, 0, 0, 0, duration=0.1, decode_tokens=2),
+            _step(1, 0, 0, 0, 0, duration=0.1, decode_tokens=2),
+            _step(2, 0, 0, 0, 0, duration=1.2, decode_tokens=2, prefill_tokens=512),
+            _step(3, 0, 0, 0, 0, duration=0.3, decode_tokens=2),
+            _step(4, 0, 0, 0, 0, duration=0.5, prefill_tokens=64),
+        ]
+    )
+    assert decode_step_time(steps) == pytest.approx(0.1)  # median of 0.1, 0.1, 0.3
+    requests = requests_frame(
+        [
+            _request("a", 0.0, [0.1, 0.2, 1.4, 1.7]),  # gaps 0.1, 1.2, 0.3
+            _request("b", 0.0, [0.1, 0.2, 0.2, 0.5]),  # gaps 0.1, 0.3 (one chunk at 0.2)
+            _request("c", 0.0, [0.1, 1.4], reason="abort"),
+        ]
+    )
+    assert decode_stalls(requests, 5 * decode_step_time(steps)) == 1
+    assert decode_stalls(requests, 0.2) == 3  # 1.2 and both 0.3 gaps
+    assert math.isnan(decode_step_time(steps.iloc[[4]]))  # no decode-only step
 
 
 def test_itl_is_per_chunk_as_vllm_bench_serve():

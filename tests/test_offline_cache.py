@@ -141,3 +141,24 @@ def test_with_an_infinite_budget_belady_reaches_the_trace_bound(
     largest = max(blocks_for(len(p) + len(o), block_size) for p, o in replay)
     enough = reusable_blocks(replay, block_size) + largest
     assert belady_hit_rate(replay, block_size, enough).hit_tokens == best.hit_tokens
+
+
+def test_bench_hit_rates_put_belady_above_every_policy_at_every_budget() -> None:
+    """The radix_prefix reproduction's curve (harness.bench.eviction.hit_rates): a row per
+    policy, Belady and the bound at each budget; Belady is never beaten and, at the working
+    set, reaches the bound."""
+    from harness.bench import eviction
+    from harness.distributions import Poisson, Uniform
+    from harness.workloads import shared_prefix
+
+    trace = shared_prefix(num_system_prompts=3, users_per_prompt=4, system_prompt_len=48,
+                          user_prompt_len=Uniform(4, 20), output_len=Uniform(4, 20),
+                          arrival=Poisson(1.0), seed=0, vocab_size=100)  # fmt: skip
+    curve = eviction.hit_rates(trace, 16, [0.3, 1.0])
+    assert list(curve["policy"].unique()) == [*eviction.POLICIES, eviction.BELADY, eviction.BOUND]
+    for _, at in curve.groupby("budget"):
+        rates = at.set_index("policy")["hit_rate"]
+        assert rates[eviction.BELADY] >= rates[list(eviction.POLICIES)].max()
+        assert rates[eviction.BOUND] == pytest.approx(max_prefix_hit_rate(trace, 16))
+    full = curve[curve["fraction"] == 1.0].set_index("policy")["hit_rate"]
+    assert full[eviction.BELADY] == pytest.approx(full[eviction.BOUND])

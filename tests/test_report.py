@@ -100,6 +100,17 @@ def test_load_curves_need_a_rate_dimension(runs: pd.DataFrame) -> None:
         report.load_curves(one_rate)
 
 
+def test_load_curves_leave_out_an_infinite_rate(runs: pd.DataFrame) -> None:
+    """Overrides come back as ints and the string "inf" (all at t=0): inf has no place on the
+    axis, and one finite rate is no curve."""
+    mixed = runs.assign(**{"trace.rate": [4, "inf", 4, "inf"]})
+    assert not report.has_rate_dimension(mixed)
+    three = pd.concat([runs, mixed[mixed["trace.rate"] == "inf"]], ignore_index=True)
+    fig = report.load_curves(three)
+    for line in fig.axes[0].get_lines():
+        assert list(line.get_xdata()) == [4.0, 16.0]
+
+
 def test_pareto_front_keeps_the_points_nothing_beats() -> None:
     x = np.array([1.0, 2.0, 3.0, 2.0, 0.5, 3.0])
     y = np.array([5.0, 4.0, 1.0, 3.0, 5.0, 0.5])

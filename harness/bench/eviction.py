@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
+
+import pandas as pd
 
 from allocators.base import blocks_for
 from allocators.offline import (
-    HitStats,
     Request,
     belady_hit_rate,
     online_hit_rate,
@@ -87,11 +89,28 @@ def budgets(
     return working_set, largest, [max(largest, round(f * working_set)) for f in fractions]
 
 
-def cell(stats: HitStats | None, rate: float | None = None) -> str:
-    """``hit %`` and evictions, or the bound's rate alone."""
-    if stats is None:
-        return f"{rate:>9.1%}{'-':>9}"
-    return f"{stats.hit_rate:>9.1%}{stats.evictions:>9}"
+def hit_rates(trace: Trace, block_size: int, fractions: list[float]) -> pd.DataFrame:
+    """Hit rate against cache budget: one row per policy (``POLICIES``, then ``BELADY``, then
+    ``BOUND``) and budget, with columns ``policy``, ``fraction`` (of W), ``budget`` (blocks),
+    ``hit_rate`` (hit / prompt tokens) and ``evictions`` (blocks; NaN for the bound)."""
+    requests = trace_requests(trace)
+    _, _, sizes = budgets(requests, block_size, fractions)
+    bound = max_prefix_hit_rate(trace, block_size)
+    rows = []
+    for f, b in zip(fractions, sizes, strict=True):
+        for policy in POLICIES:
+            stats = online_hit_rate(radix(b, block_size, policy), requests)
+            rows.append((policy, f, b, stats.hit_rate, stats.evictions))
+        stats = belady_hit_rate(requests, block_size, b)
+        rows.append((BELADY, f, b, stats.hit_rate, stats.evictions))
+        rows.append((BOUND, f, b, bound, math.nan))
+    return pd.DataFrame(rows, columns=["policy", "fraction", "budget", "hit_rate", "evictions"])
+
+
+def cell(hit_rate: float, evictions: float) -> str:
+    """``hit %`` and evictions (``-`` for the bound, which evicts nothing)."""
+    evicted = "-" if math.isnan(evictions) else f"{evictions:.0f}"
+    return f"{hit_rate:>9.1%}{evicted:>9}"
 
 
 def table(name: str, trace: Trace, block_size: int, fractions: list[float]) -> str:
@@ -111,13 +130,9 @@ def table(name: str, trace: Trace, block_size: int, fractions: list[float]) -> s
     lines.append(f"{'budget (blocks)':<{width}}{head}")
     lines.append(f"{'policy':<{width}}" + f"{'hit':>9}{'evicted':>9}" * len(sizes))
     lines.append("-" * (width + 18 * len(sizes)))
-    for policy in POLICIES:
-        row = [online_hit_rate(radix(b, block_size, policy), requests) for b in sizes]
-        lines.append(f"{policy:<{width}}" + "".join(cell(s) for s in row))
-    row = [belady_hit_rate(requests, block_size, b) for b in sizes]
-    lines.append(f"{BELADY:<{width}}" + "".join(cell(s) for s in row))
-    bound = max_prefix_hit_rate(trace, block_size)
-    lines.append(f"{BOUND:<{width}}" + cell(None, bound) * len(sizes))
+    for policy, rows in hit_rates(trace, block_size, fractions).groupby("policy", sort=False):
+        cells = "".join(cell(r.hit_rate, r.evictions) for r in rows.itertuples())
+        lines.append(f"{policy:<{width}}{cells}")
     return "\n".join(lines)
 
 

@@ -69,6 +69,7 @@ STEP_SCHEMA: dict[str, str] = {
     "slots_total": "int",  # arena slots
     "external_fragmentation": "float",  # slots_external over free slots (vLLM paper's sense)
     "draft_blocks_used": "int",  # the draft model's blocks (speculative decoding), else 0
+    "window_blocks_used": "int",  # sliding-window layers' ring blocks, else 0
     "mlx_active_bytes": "int",
     "mlx_peak_bytes": "int",
     "spec_proposed": "int",

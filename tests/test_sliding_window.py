@@ -11,13 +11,16 @@ window KV). The reference is mlx_lm's ``generate_step`` over ``model.make_cache(
 from __future__ import annotations
 
 import dataclasses
+import json
 from functools import partial
 
 import numpy as np
+import pandas as pd
 import pytest
 from reference import mlx_lm_tokens
 from test_engine import ALLOCATORS, assert_all_free
 
+from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import LLMEngine, RequestError
@@ -218,3 +221,22 @@ def test_kv_cache_bytes_pays_for_the_rings_first(hybrid):
     full_block = hybrid.kv_bytes_per_token() * BLOCK_SIZE
     assert engine.allocator.num_blocks == (10_000_000 - rings) // full_block
     assert engine.arena.nbytes + rings <= 10_000_000
+
+
+def test_a_max_len_region_allocator_reserves_only_the_ring(hybrid, prompts, reference):
+    """contiguous_max_len reserves max_model_len slots per sequence in the full-attention
+    arena; in the window group its region is the ring."""
+    allocator = partial(ContiguousAllocator, reserve="max_len", max_len=256)
+    engine = build(hybrid, allocator, num_blocks=4 * 256 // BLOCK_SIZE)
+    assert engine.window.blocks_per_ring == RING
+    assert tokens(engine.generate(prompts, GREEDY)) == reference
+    assert_window_free(engine)
+
+
+@pytest.mark.parametrize("name", ["tiny_gemma3", "tiny_gpt_oss"])
+def test_kvbench_runs_the_model_configs(kvbench, tmp_path, name):
+    kvbench(f"model={name}", "allocator=radix")
+    (run,) = (tmp_path / "results" / "default" / "runs").iterdir()
+    steps = pd.read_parquet(run / "steps.parquet")
+    assert steps["window_blocks_used"].max() > 0
+    assert json.loads((run / "summary.json").read_text())["completed"] == 6

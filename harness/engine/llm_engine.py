@@ -193,6 +193,11 @@ class LLMEngine:
                 "slots); run it without speculative"
             )
         draft = speculative.draft_for(model) if speculative is not None else None
+        if draft is not None and draft.window_layers:
+            raise ValueError(
+                f"draft model {draft.name!r} has sliding-window layers: speculative decoding "
+                "needs a draft of full-attention layers only"
+            )
         window = None
         if model.window_layers:
             window = WindowGroup(

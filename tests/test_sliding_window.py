@@ -240,3 +240,12 @@ def test_kvbench_runs_the_model_configs(kvbench, tmp_path, name):
     steps = pd.read_parquet(run / "steps.parquet")
     assert steps["window_blocks_used"].max() > 0
     assert json.loads((run / "summary.json").read_text())["completed"] == 6
+
+
+def test_the_rings_follow_a_policy_default_max_num_seqs(hybrid):
+    """max_num_seqs not bound in the partial: the policy's default (32) sizes the rings."""
+    engine = LLMEngine.build(
+        hybrid, FreeListAllocator, ChunkedPrefillScheduler, block_size=BLOCK_SIZE, num_blocks=64
+    )
+    assert engine.scheduler.max_num_seqs == engine.window.max_num_seqs == 32
+    assert engine.window.allocator.num_blocks == 32 * RING

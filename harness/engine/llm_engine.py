@@ -223,6 +223,11 @@ class LLMEngine:
             num_lookahead_slots=lookahead,
             read_prefix_cache=window is None,
         )
+        if window is not None and policy.max_num_seqs != window.max_num_seqs:
+            raise ValueError(
+                f"the scheduler runs {policy.max_num_seqs} sequences, the window group has "
+                f"rings for {window.max_num_seqs}: bind scheduler.max_num_seqs in its partial"
+            )
         proposer = None
         if draft is not None:
             proposer = DraftProposer(draft, allocator(num_blocks=num_blocks, block_size=block_size))
@@ -885,12 +890,20 @@ class LLMEngine:
 
 
 def _max_num_seqs(scheduler: Callable[..., Scheduler]) -> int:
-    """The ``max_num_seqs`` a scheduler partial builds with (its default when not bound)."""
+    """The ``max_num_seqs`` a scheduler partial builds with: bound, else the default of the
+    first class up its MRO that names it (policies pass ``**kwargs`` up)."""
     bound = getattr(scheduler, "keywords", {})
     if "max_num_seqs" in bound:
         return bound["max_num_seqs"]
     func = getattr(scheduler, "func", scheduler)
-    return inspect.signature(func).parameters["max_num_seqs"].default
+    for cls in getattr(func, "__mro__", ()):
+        param = inspect.signature(cls.__init__).parameters.get("max_num_seqs")
+        if param is not None:
+            return param.default
+    raise ValueError(
+        f"cannot tell {func!r}'s max_num_seqs, which sizes the window rings: bind it in the "
+        "scheduler partial (scheduler.max_num_seqs)"
+    )
 
 
 def _prompt_positions(seq: Seq, num_new_tokens: int) -> range:

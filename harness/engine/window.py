@@ -55,6 +55,7 @@ class WindowGroup:
         max_num_seqs: int,
     ) -> None:
         self.window = model.window
+        self.max_num_seqs = max_num_seqs
         self.layers = model.window_layers
         self.ring = ring_blocks(model.window, block_size)
         # A region allocator reserving max_len slots reserves the ring: nothing more is used.

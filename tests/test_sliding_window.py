@@ -235,11 +235,13 @@ def test_a_max_len_region_allocator_reserves_only_the_ring(hybrid, prompts, refe
 
 @pytest.mark.parametrize("name", ["tiny_gemma3", "tiny_gpt_oss"])
 def test_kvbench_runs_the_model_configs(kvbench, tmp_path, name):
-    kvbench(f"model={name}", "allocator=radix")
+    proc = kvbench(f"model={name}", "allocator=radix")
     (run,) = (tmp_path / "results" / "default" / "runs").iterdir()
     steps = pd.read_parquet(run / "steps.parquet")
-    assert steps["window_blocks_used"].max() > 0
-    assert json.loads((run / "summary.json").read_text())["completed"] == 6
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed"] == 6 and summary["prefix_hit_rate"] == 0
+    assert summary["window_blocks_used_peak"] == steps["window_blocks_used"].max() > 0
+    assert "Window ring blocks peak" in proc.stdout
 
 
 def test_the_rings_follow_a_policy_default_max_num_seqs(hybrid):

@@ -127,6 +127,18 @@ class RadixAllocator(FreeListAllocator):
             setattr(clone, name, copy.deepcopy(value, memo))
         return clone
 
+    def cached_paths(self) -> list[tuple[tuple[int, ...], list[int]]]:
+        """Every root-to-leaf path of the tree (held or not): the tokens it spells and its
+        blocks, in token order. A snapshot of the whole prefix cache."""
+        paths, stack = [], [(self._root, (), [])]
+        while stack:
+            node, tokens, blocks = stack.pop()
+            if not node.children and node is not self._root:
+                paths.append((tokens, blocks))
+            for child in node.children.values():
+                stack.append((child, tokens + child.key, [*blocks, child.block]))
+        return sorted(paths)
+
     # -- lookups and indexing ----------------------------------------------------------
 
     def _key(self, token_ids: Sequence[int], i: int) -> tuple[int, ...]:

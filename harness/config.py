@@ -21,10 +21,8 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-GROUPS = ("model", "allocator", "scheduler", "trace", "engine")
-# Top-level ``_target_`` nodes that are not config groups, and groups with no default.
-NODES = ("sampling",)
-OPTIONAL = ("speculative",)
+GROUPS = ("model", "allocator", "scheduler", "trace", "engine", "sampling")
+OPTIONAL = ("speculative",)  # groups with no default
 # Top-level plain keys and the type each must have.
 SETTINGS = {
     "experiment_name": str,
@@ -49,7 +47,7 @@ class ConfigError(ValueError):
 
 def validate(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first problem in ``cfg``; return quietly if it is sound."""
-    expected = set(GROUPS) | set(NODES) | set(OPTIONAL) | set(SETTINGS)
+    expected = set(GROUPS) | set(OPTIONAL) | set(SETTINGS)
     for key in cfg:
         if key not in expected:
             raise ConfigError(f"{key} is not a kvbench setting{_did_you_mean(key, expected)}")
@@ -70,7 +68,7 @@ def validate(cfg: DictConfig) -> None:
     for key in cfg.trace:
         if key != "generator":
             _value(cfg.trace, key, f"trace.{key}")  # knobs must be set and resolve
-    for group in ("model", "allocator", "scheduler", "engine", *NODES):
+    for group in ("model", "allocator", "scheduler", "engine", "sampling"):
         check_node(cfg[group], group, RUNTIME_ARGS.get(group, set()))
     for group in OPTIONAL:
         if cfg.get(group) is not None:

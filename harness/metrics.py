@@ -340,6 +340,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             "External fragmentation (mean)",
             _num(s["external_fragmentation_mean"], 100, 1, unit=" %"),
         ),
+        ("KV saved by sharing (fork)", _num(s["kv_sharing_saving"], 100, 1, unit=" %")),
         ("Prefix hit rate", _num(s["prefix_hit_rate"], 100, 1, unit=" %")),
         ("Preemptions", str(s["preemptions"])),
         (

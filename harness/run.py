@@ -137,7 +137,8 @@ def run(
         try:  # bad values fail now, naming the key (min_tokens against the shortest request)
             sampling(max_tokens=min((r.max_tokens for r in trace), default=1), ignore_eos=True)
         except SamplingParamsError as e:
-            raise ValueError(str(e).replace("SamplingParams.", "sampling.", 1)) from None
+            field = str(e).split(".", 1)[1]  # "SamplingParams.top_p=..." -> the config key
+            raise ValueError(f"sampling.{field}") from None
         speculative = _build(cfg.speculative) if cfg.get("speculative") is not None else None
         build = partial(
             _build(cfg.engine),

@@ -24,6 +24,12 @@ One step, decode-first (the default)::
               a request added with ``restored`` tokens (KV from a file) gets those blocks
               written back (a SwapIn) and computes the rest of its prompt now
 
+Parked sequences (``park``; a beam of a beam search that offered its candidates and waits
+for its siblings) need no step until ``unpark``: they compute nothing and are not admitted
+or swapped in; when memory runs out they are the first victims, and a step that would run
+nothing while parked sequences hold blocks and others wait preempts them all, so a group
+whose members wait on each other never deadlocks the arena.
+
 Prefill-first (``prefill_first = True``) brings in before scheduling the running sequences,
 keeping back the blocks their decodes need this step.
 
@@ -155,6 +161,7 @@ class Scheduler(ABC):
         # Waiting request -> leading tokens whose KV the engine holds in host memory
         # (restored from a file), written back when it is admitted instead of computed.
         self.restored: dict[str, int] = {}
+        self.parked: set[Request] = set()  # need no step until unparked (see park)
         self.num_lookahead_slots = num_lookahead_slots
         self.read_prefix_cache = read_prefix_cache
         self.release_listeners: list[Callable[[str], None]] = []
@@ -182,18 +189,27 @@ class Scheduler(ABC):
     def fork(self, parent: Request, child: Request) -> Allocation | None:
         """Run ``child`` beside ``parent`` on the parent's KV (parallel sampling): the
         allocator shares or copies the parent's blocks (``Allocation.copies`` for the
-        engine). Without room, or at ``max_num_seqs``, the child waits and recomputes."""
+        engine). Without room, at ``max_num_seqs``, or when the parent holds no blocks (it
+        was preempted), the child waits at the head of the line and recomputes."""
         alloc = None
-        if len(self.running) < self.max_num_seqs:
+        if parent.status is Status.RUNNING and len(self.running) < self.max_num_seqs:
             alloc = self.allocator.fork(parent.request_id, child.request_id)
-        if alloc is None:
+        if alloc is None:  # first in line: its request is already in
             child.num_computed_tokens = 0
-            self.add(child)
+            child.status = Status.WAITING
+            self.waiting.appendleft(child)
             return None
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = Status.RUNNING
         self.running.append(child)
         return alloc
+
+    def park(self, seq: Request) -> None:
+        """``seq`` needs no step until ``unpark``; it keeps its blocks while memory allows."""
+        self.parked.add(seq)
+
+    def unpark(self, seq: Request) -> None:
+        self.parked.discard(seq)
 
     def finish(self, seq: Request) -> None:
         """A sequence is done: release its blocks (cached blocks may stay shared). It is
@@ -206,6 +222,7 @@ class Scheduler(ABC):
         self._release(seq.request_id)
         self.host_blocks.pop(seq.request_id, None)
         self.restored.pop(seq.request_id, None)
+        self.parked.discard(seq)
 
     def _release(self, request_id: str) -> None:
         self.allocator.free(request_id)
@@ -220,7 +237,7 @@ class Scheduler(ABC):
 
     def next_incoming(self) -> Request | None:
         """The request that comes in next when room allows (the head of the line)."""
-        order = self._incoming_order()
+        order = self._incoming()
         return order[0] if order else None
 
     # -- the step decision ---------------------------------------------------------------
@@ -241,9 +258,17 @@ class Scheduler(ABC):
             budget, pressure = self._schedule_running(out, budget, running)
             if not pressure:
                 self._bring_in(out, budget, now, reserve=0)
+        if not (out.scheduled or out.swapped_in) and self._stalled_by_parked():
+            for seq in [s for s in self.running if s in self.parked]:
+                self._preempt(seq, out)
+            self._bring_in(out, self.max_num_batched_tokens, now, reserve=0)
         if self.num_lookahead_slots:
             self._widen(out)
         return out
+
+    def _stalled_by_parked(self) -> bool:
+        """Parked sequences hold blocks while others wait to come in."""
+        return any(s in self.parked for s in self.running) and bool(self._incoming())
 
     def _widen(self, out: SchedulerOutput) -> None:
         """Give decodes lookahead slots for draft tokens, from headroom only."""
@@ -301,8 +326,9 @@ class Scheduler(ABC):
                 alloc := self.allocator.allocate(seq.request_id, seq.num_computed_tokens + n)
             ) is None:
                 pressure = True
-                victim = self._victim(queue + [seq])
-                if victim is not seq:
+                parked = [s for s in self.running if s in self.parked]
+                victim = parked[-1] if parked else self._victim(queue + [seq])
+                if victim in queue:
                     queue.remove(victim)
                 self._preempt(victim, out)
                 if victim is seq:
@@ -318,7 +344,7 @@ class Scheduler(ABC):
         step: the engine writes it after this step's block copies, whose sources may be the
         very blocks it gets (a region that relocated this step)."""
         just_preempted = {id(s) for s, _ in out.preempted}
-        for seq in self._incoming_order():
+        for seq in self._incoming():
             swapped = seq.status is Status.SWAPPED
             if len(self.running) >= self.max_num_seqs or (budget <= 0 and not swapped):
                 break
@@ -460,6 +486,10 @@ class Scheduler(ABC):
     def _incoming_order(self) -> list[Request]:
         """Who comes in first: swapped sequences (earliest swapped first), then waiting."""
         return self.swapped + self._waiting_order()
+
+    def _incoming(self) -> list[Request]:
+        """``_incoming_order`` without the parked sequences."""
+        return [s for s in self._incoming_order() if s not in self.parked]
 
     def _running_order(self) -> list[Request]:
         """Order in which running sequences claim the token budget and blocks."""

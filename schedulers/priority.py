@@ -80,7 +80,7 @@ class PriorityScheduler(Scheduler):
         return min(candidates, key=lambda s: (s.num_computed_tokens, -latest(s)))
 
     def _make_room(self, out: SchedulerOutput) -> None:
-        incoming = self._incoming_order()
+        incoming = self._incoming()
         if not self.preempt_lower or not incoming or not self.running:
             return
         head = incoming[0]

@@ -20,3 +20,38 @@ def mlx_lm_logprobs(model: LoadedModel, tokens: list[int]) -> np.ndarray:
     [len(tokens), vocab]: row p scores the token at p + 1."""
     logits = model.model(mx.array(tokens)[None])[0].astype(mx.float32)
     return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def beam_search_reference(
+    model: LoadedModel,
+    prompt: list[int],
+    beam_width: int,
+    max_tokens: int,
+    eos: tuple[int, ...] = (),
+    length_penalty: float = 1.0,
+    ignore_eos: bool = False,
+) -> list[tuple[list[int], float]]:
+    """Brute force of vLLM's ``LLM.beam_search``: each round every beam is re-run through
+    mlx_lm's full forward (no cache), offers its top 2 * width raw logprobs, EOS candidates
+    complete (unless ``ignore_eos``), the best ``beam_width`` by score go on; at the end the
+    best ``beam_width`` of all by score, ``cum / len(prompt + output, less a final EOS) **
+    length_penalty`` (vLLM shortens an EOS-ending beam even under ``ignore_eos``).
+    Returns (output tokens, cumulative logprob), best first."""
+
+    def score(beam: tuple[list[int], float]) -> float:
+        tokens, cum = beam
+        return cum / (len(tokens) - (tokens[-1] in eos)) ** length_penalty
+
+    beams: list[tuple[list[int], float]] = [(list(prompt), 0.0)]
+    done: list[tuple[list[int], float]] = []
+    for _ in range(max_tokens):
+        new = []
+        for tokens, cum in beams:
+            row = mlx_lm_logprobs(model, tokens)[-1].astype(np.float64)
+            for token in sorted(range(row.size), key=lambda t: (-row[t], t))[: 2 * beam_width]:
+                grown = (tokens + [token], cum + float(row[token]))
+                (done if token in eos and not ignore_eos else new).append(grown)
+        beams = sorted(new, key=score, reverse=True)[:beam_width]
+
+    best = sorted(done + beams, key=score, reverse=True)[:beam_width]
+    return [(tokens[len(prompt) :], cum) for tokens, cum in best]

@@ -27,7 +27,7 @@ def options(group: str) -> list[str]:
 
 
 def test_every_group_has_options() -> None:
-    for group in ("model", "allocator", "scheduler", "trace", "engine", "experiment"):
+    for group in ("model", "allocator", "scheduler", "trace", "engine", "sampling", "experiment"):
         assert options(group), f"conf/{group}/ is empty"
     assert {"ray", "submitit_slurm"} <= set(options("hydra/launcher"))
 

@@ -229,6 +229,10 @@ def test_output_logprobs_are_the_raw_forward_and_never_alias(model, pipeline):
         row = ref[len(prompt) - 1 + k]
         assert entry[token].logprob == pytest.approx(row[token], abs=TOL)
         assert len(entry) in (2, 3)
+        assert entry[token].decoded_token is None  # no tokenizer
+    # vLLM's cumulative_logprob: the sum of the generated tokens' (raw) logprobs.
+    expected = sum(ref[len(prompt) - 1 + k][t] for k, t in enumerate(output))
+    assert final.outputs[0].cumulative_logprob == pytest.approx(expected, abs=6 * TOL)
     assert_prompt_logprobs(model, prompt, final.prompt_logprobs, 1)
 
 

@@ -251,3 +251,61 @@ def test_the_fingerprint_tells_models_apart_and_is_stable(model):
         random_model("llama", "tiny", seed=0, dtype="float16"),
     ):
         assert persistence.model_fingerprint(other) != same
+
+
+# -- the whole radix tree -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def snapshot(model, tmp_path_factory):
+    """A radix engine's prefix cache after three requests, two sharing a 48-token system
+    prompt, saved whole; the engine's output tokens alongside."""
+    rng = np.random.default_rng(9)
+    system = rng.integers(1, 1024, 48).tolist()
+    prompts = [system + rng.integers(1, 1024, n).tolist() for n in (20, 37)]
+    prompts.append(rng.integers(1, 1024, 70).tolist())
+    engine = make_engine(model, RadixAllocator)
+    for i, p in enumerate(prompts):
+        run(engine, f"r{i}", p, FIRST)
+    folder = tmp_path_factory.mktemp("tree")
+    paths = engine.save_prefix_cache(folder)
+    return folder, prompts, paths, engine.allocator.stats().cached_blocks
+
+
+def test_a_saved_tree_restores_and_later_requests_hit_it(model, snapshot):
+    folder, prompts, paths, cached = snapshot
+    # Full blocks of prompt + output but the last token, per request: 48 shared, then each
+    # own: (48+20+7)//16 = 4, (48+37+7)//16 = 5, (70+7)//16 = 4 blocks; 3 shared.
+    assert paths == 3 and cached == 4 + 5 + 4 - 3
+    engine = make_engine(model, RadixAllocator)
+    assert engine.restore_prefix_cache(folder) == cached * 16
+    assert engine.allocator.stats().cached_blocks == cached
+    for i, p in enumerate(prompts):
+        assert run(engine, f"again{i}", p, NEXT) == mlx_lm_tokens(model, p, NEXT)
+    rows = engine.recorder.requests
+    # Every full block of each prompt, short of its last token, came from the snapshot.
+    assert [r["cached_tokens"] for r in rows] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    assert prefill(engine) == sum(len(p) - (len(p) - 1) // 16 * 16 for p in prompts)
+
+
+def test_a_tree_restore_skips_bad_files_and_stops_when_blocks_run_out(model, snapshot, tmp_path):
+    folder, prompts, _, _ = snapshot
+    for f in sorted(folder.iterdir()):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    first, *_ = sorted(tmp_path.iterdir())
+    _corrupt(first)
+    engine = LLMEngine.build(model, RadixAllocator, FCFSScheduler, block_size=16, num_blocks=6)
+    with pytest.warns(KVRestoreWarning) as caught:
+        restored = engine.restore_prefix_cache(tmp_path)
+    messages = [str(w.message) for w in caught]
+    assert any("is corrupted" in m and "skipped" in m for m in messages)
+    assert any("restore stopped" in m for m in messages)
+    # What was restored stays: nothing it restored was evicted to restore the rest.
+    assert engine.allocator.stats().cached_blocks * 16 == restored > 0
+    engine.allocator.check()
+
+
+def test_a_tree_snapshot_needs_the_radix_allocator(model, tmp_path):
+    engine = make_engine(model, FreeListAllocator)
+    with pytest.raises(ValueError, match="allocator FreeListAllocator keeps none; use the radix"):
+        engine.save_prefix_cache(tmp_path)
+    with pytest.raises(ValueError, match="holds no prefix-cache snapshot"):
+        make_engine(model, RadixAllocator).restore_prefix_cache(tmp_path)

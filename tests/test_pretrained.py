@@ -60,6 +60,17 @@ def test_text_prompts_give_mlx_lm_tokens_and_their_decoded_text(pretrained, engi
         assert completion.text == pretrained.tokenizer.decode(completion.token_ids)
 
 
+def test_logprobs_carry_each_tokens_text(pretrained, engine):
+    """vLLM's ``Logprob.decoded_token``: the text of the token each entry scores."""
+    params = dataclasses.replace(GREEDY, logprobs=2, prompt_logprobs=1)
+    (out,) = engine.generate([PROMPT], params)
+    entries = [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]
+    assert len(entries) == EOS_AT + len(out.prompt_token_ids) - 1
+    for entry in entries:
+        for token, lp in entry.items():
+            assert lp.decoded_token == pretrained.tokenizer.decode([token])
+
+
 def test_generation_stops_at_the_eos_the_checkpoint_declares(checkpoint, pretrained, engine):
     params = SamplingParams(temperature=0, max_tokens=3 * EOS_AT)
     (ignored,) = engine.generate([PROMPT], dataclasses.replace(params, ignore_eos=True))

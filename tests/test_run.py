@@ -190,6 +190,7 @@ def test_two_runs_started_together_write_two_folders(tmp_path: Path) -> None:
         ("+allocator.blok_size=3", r"allocator\.blok_size is not a parameter.*no options"),
         ("allocator=radix allocator.eviction=nope", r"allocator\.eviction='nope' must be one of"),
         ("sampling.top_p=2", r"sampling\.top_p=2 is invalid: it must be in \(0, 1\]"),
+        ("sampling=beam sampling.beam_width=0", r"sampling\.beam_width=0 is invalid: it must be"),
     ],
 )
 def test_a_wrong_setting_is_one_line_naming_it_and_exit_status_2(kvbench, override, message):

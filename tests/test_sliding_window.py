@@ -3,9 +3,10 @@
 Window 16 tokens, block size 8: a ring holds k = ceil(16 / 8) + 1 = 3 blocks. Prompts of 3 to
 90 tokens and 40 generated tokens slide the window in prefill and in decode; every allocator,
 batches of mixed lengths; preemption by recompute and swap, chunked prefill, pipelined steps,
-parallel sampling (a fork copies the ring), radix (no prefix hits: a cached prefix holds no
-window KV). The reference is mlx_lm's ``generate_step`` over ``model.make_cache()``
-(``RotatingKVCache`` for window layers).
+parallel sampling and beam search (a fork copies the ring), radix (no prefix hits: a cached
+prefix holds no window KV). The reference is mlx_lm's ``generate_step`` over
+``model.make_cache()`` (``RotatingKVCache`` for window layers); for beam search, a brute force
+over mlx_lm's full forward.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from functools import partial
 import numpy as np
 import pandas as pd
 import pytest
-from reference import mlx_lm_tokens
+from reference import beam_search_reference, mlx_lm_tokens
 from test_engine import ALLOCATORS, assert_all_free
 
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import LLMEngine, RequestError
+from harness.engine.beam_search import BeamSearchParams
 from harness.engine.sampling import SamplingParams
 from harness.engine.speculative import Speculation
 from harness.engine.window import ring_blocks
@@ -251,3 +253,15 @@ def test_the_rings_follow_a_policy_default_max_num_seqs(hybrid):
     )
     assert engine.scheduler.max_num_seqs == engine.window.max_num_seqs == 32
     assert engine.window.allocator.num_blocks == 32 * RING
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)
+def test_beam_search_forks_copy_the_ring(hybrid, prompts, allocator):
+    """Beams fork at every round (each child a copy of its parent's ring): the results equal
+    a brute-force search over mlx_lm's full forward, which masks the window itself."""
+    params = BeamSearchParams(beam_width=3, max_tokens=20, ignore_eos=True)
+    engine = build(hybrid, allocator)
+    (out,) = engine.generate([prompts[1]], params)
+    ref = beam_search_reference(hybrid, prompts[1], 3, 20)
+    assert [c.token_ids for c in out.outputs] == [tokens for tokens, _ in ref]
+    assert_window_free(engine)

@@ -29,6 +29,7 @@ import numpy as np
 
 from allocators.base import BlockAllocator, blocks_for
 from harness.engine import persistence
+from harness.engine.beam_search import BeamGroup, BeamSearchParams, Hypothesis
 from harness.engine.clock import Clock, VirtualClock
 from harness.engine.kv_cache import HostBlocks, KVArena
 from harness.engine.model_runner import ModelRunner, Row
@@ -40,6 +41,7 @@ from harness.engine.sampling import (
     LogprobsMode,
     SampleRow,
     SamplingParams,
+    TokenLogprobs,
     logprob_dict,
     logprob_values,
     make_rng,
@@ -60,6 +62,7 @@ from schedulers.request import Status
 
 DEFAULT_MAX_MODEL_LEN = 2048  # for a model whose config sets no max_position_embeddings
 INFLIGHT = -1  # the place in token_ids of a sampled token still on the device
+Params = SamplingParams | BeamSearchParams  # how a request generates
 
 
 class RequestError(ValueError):
@@ -144,6 +147,7 @@ class LLMEngine:
         self._inflight_tokens: mx.array | None = None
         self._draining: set[Seq] = set()
         self._groups: dict[str, list[Seq]] = {}  # completions of requests with n > 1
+        self._beams: dict[str, BeamGroup] = {}  # beam searches, by request id
         self._waited = 0.0  # this step's seconds blocked on MLX
 
     @classmethod
@@ -238,7 +242,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: Params | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         *,
@@ -248,6 +252,8 @@ class LLMEngine:
         restore_kv: str | Path | None = None,
     ) -> None:
         """Queue a request. A prompt is token ids, or text when the model has a tokenizer.
+        ``BeamSearchParams`` run a beam search (harness/engine/beam_search.py): the request's
+        one output, when it finishes, holds the best ``beam_width`` beams.
 
         ``save_kv``: a file the request's KV (prompt and output but the last token) is
         saved to when it finishes. ``restore_kv``: such a file; the KV of the longest prefix
@@ -258,11 +264,20 @@ class LLMEngine:
         # Arrival is when the caller hands the request over, not when the lock is free.
         arrived = self.clock.now() if arrival_time is None else arrival_time
         params = sampling_params or SamplingParams()
+        beam = params if isinstance(params, BeamSearchParams) else None
+        if beam is not None:
+            params = beam.beam_params()
         tokens = self._tokenize(request_id, prompt)
-        if params.n > 1 and self.proposer is not None:
+        if (params.n > 1 or beam) and self.proposer is not None:
+            what = "beam search" if beam else f"SamplingParams.n={params.n}"
             raise RequestError(
-                f"request {request_id!r}: SamplingParams.n={params.n} with speculative decoding "
-                "is not supported; use n=1 or run without speculative"
+                f"request {request_id!r}: {what} with speculative decoding is not supported; "
+                "use n=1 sampling or run without speculative"
+            )
+        if beam and save_kv is not None:
+            raise RequestError(
+                f"request {request_id!r}: save_kv with beam search is not supported (which "
+                "beam's KV?); save from a sampling request"
             )
         if save_kv is not None and not Path(save_kv).parent.is_dir():
             raise RequestError(
@@ -281,10 +296,18 @@ class LLMEngine:
             )
         restored = self._restorable(request_id, restore_kv, tokens, params) if restore_kv else None
         with self._lock:
-            # Completions 1.. of a request with n > 1 take the ids ID/1, ID/2, ...
+            # Completions 1.. of a request with n > 1 take the ids ID/1, ID/2, ...; a beam
+            # search's beams ID/beam1, ID/beam2, ...: any ID/... may be taken later.
             ids = [request_id, *(f"{request_id}/{i}" for i in range(1, params.n))]
-            if any(i in self._requests or self._completion_id(i) for i in ids):
-                raise RequestError(f"request_id {request_id!r} is already in use: pick a new one")
+            taken = [i for i in ids if i in self._requests or self._completion_id(i)]
+            if request_id in self._groups or request_id in self._beams:
+                taken.append(request_id)  # its first sequence finished, the request runs
+            if beam is not None:
+                taken += [i for i in self._requests if i.startswith(f"{request_id}/")]
+            if taken:
+                raise RequestError(
+                    f"request_id {request_id!r} is already in use ({taken[0]!r}): pick a new one"
+                )
             seed = self.seed * 1_000_003 + self._num_added
             seq = Seq(
                 request_id=request_id,
@@ -301,6 +324,8 @@ class LLMEngine:
             self._requests[request_id] = seq
             if params.n > 1:
                 self._groups[request_id] = [seq]
+            if beam is not None:
+                self._beams[request_id] = BeamGroup(beam, self.model.eos_token_ids, seq)
             if save_kv is not None:
                 self._save_to[request_id] = Path(save_kv)
             num_restored = 0
@@ -311,6 +336,13 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state; its blocks are free when this returns."""
         with self._lock:
+            if request_id in self._beams:
+                self._pending += self._end_beams(
+                    self._beams[request_id], "abort", self.clock.now(), "aborted by the user"
+                )
+                return
+            if request_id.rpartition("/")[0] in self._beams:
+                return  # a beam's own id: the engine's, not a request (vLLM ignores those)
             group = self._groups.get(request_id)
             ids = [s.request_id for s in group if not s.finished] if group else [request_id]
             for rid in ids:
@@ -330,8 +362,11 @@ class LLMEngine:
         return seq
 
     def _completion_id(self, request_id: str) -> bool:
-        """``request_id`` is (or will be) a completion of a running request with n > 1."""
+        """``request_id`` is (or will be) a completion of a running request with n > 1, or a
+        beam of a running beam search (any ``ID/...``)."""
         parent, _, index = request_id.rpartition("/")
+        if parent in self._beams:
+            return True
         group = self._groups.get(parent)
         return group is not None and index.isdigit() and 0 < int(index) < group[0].params.n
 
@@ -368,6 +403,11 @@ class LLMEngine:
         """Outputs of pending aborts and of requests the scheduler rejected this step."""
         outputs, self._pending = self._pending, []
         for seq, reason in plan.rejected:
+            if seq.finished:  # a beam of a search another rejection just ended
+                continue
+            if seq.group_id in self._beams:
+                outputs += self._end_beams(self._beams[seq.group_id], "abort", now, reason)
+                continue
             self._finish(seq, "abort", now, abort_reason=reason)
             outputs.append(self._output(seq))
         return outputs
@@ -428,6 +468,8 @@ class LLMEngine:
             if _prompt_positions(seq, s.num_new_tokens):
                 return False
             samples = seq.num_computed_tokens + s.num_new_tokens == seq.num_tokens
+            if samples and seq.group_id in self._beams:
+                return False  # its candidates are chosen on the host
             if samples and not (
                 p.greedy
                 and not p.penalised
@@ -512,10 +554,10 @@ class LLMEngine:
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: Params | Sequence[Params] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order."""
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None or isinstance(sampling_params, Params):
             sampling_params = [sampling_params] * len(prompts)
         ids = [f"gen-{self._num_added + i}" for i in range(len(prompts))]
         for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
@@ -577,6 +619,7 @@ class LLMEngine:
         """Sample (and verify drafts), then stamp: a token's time is when it exists, so the
         clock is read after sampling, ``start`` being the step's ``perf_counter`` start."""
         to_sample, picks, verifying, offset = [], [], {}, 0
+        offering: list[tuple[Seq, int]] = []  # beams offering candidates, and their row
         for s in plan.scheduled:
             seq = s.seq
             if s.num_draft_tokens:
@@ -589,7 +632,10 @@ class LLMEngine:
             before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
             self._commit(seq, before)
-            if seq.num_computed_tokens == seq.num_tokens:
+            if seq.num_computed_tokens == seq.num_tokens and seq.group_id in self._beams:
+                offering.append((seq, offset))
+                offset += 1
+            elif seq.num_computed_tokens == seq.num_tokens:
                 # The prompt is done: n > 1 forks the other completions off it, each
                 # sampling its first token from the same logits.
                 fork = seq.params.n > 1 and len(self._groups[seq.group_id]) == 1
@@ -598,6 +644,10 @@ class LLMEngine:
                     picks.append(offset)
                 offset += 1
         verified = self._verify(plan, logits, verifying) if verifying else []
+        candidates = None
+        if offering:
+            rows = mx.array([i for _, i in offering], dtype=mx.int32)
+            candidates = np.array(logits[rows].astype(mx.float32))
         # Rows of drafts or prompt logprobs beside the sampling ones, or forked completions
         # sampling from one row: the sampler gets one row of logits per token it draws.
         if picks != list(range(offset)):
@@ -608,39 +658,132 @@ class LLMEngine:
         outputs = [self._accept(seq, got, now) for seq, got in verified]
         for seq, pick in zip(to_sample, sampled, strict=True):
             if pick.logprobs is not None:
-                seq.logprobs.append(pick.logprobs)
+                seq.logprobs.append(self._decoded(pick.logprobs))
             self._append(seq, pick.token, now)
             outputs.append(self._output(seq))
+        for (seq, _), row in zip(offering, candidates if offering else [], strict=True):
+            group = self._beams[seq.group_id]
+            if group.offer(seq, row):
+                outputs += self._next_beams(group, now)
+            else:
+                self.scheduler.park(seq)  # until its siblings have offered too
         return outputs
 
     def _fork(self, parent: Seq) -> list[Seq]:
         """The other n - 1 completions of ``parent``'s request, on its prompt's KV (shared
         or copied by the allocator); completion i samples with seed ``seed + i`` (vLLM)."""
-        params, group = parent.params, self._groups[parent.group_id]
-        for i in range(1, params.n):
-            child = Seq(
-                request_id=f"{parent.request_id}/{i}",
-                token_ids=list(parent.token_ids),
-                params=params,
-                arrival_time=parent.arrival_time,
-                priority=parent.priority,
-                rng=make_rng(replace(params, seed=parent.seed + i), 0),
-                seed=parent.seed + i,
-                ttft_slo=parent.ttft_slo,
-                tpot_slo=parent.tpot_slo,
-                index=i,
-                group_id=parent.group_id,
-            )
-            child.first_scheduled_time = parent.first_scheduled_time
-            self._requests[child.request_id] = child
-            allocation = self.scheduler.fork(parent, child)
-            if allocation is not None:  # else it waits, and recomputes its prompt
-                child.num_cached_tokens = parent.num_computed_tokens  # its prompt KV is shared
-                self.runner.copy_blocks(allocation.copies)
-                if self.window is not None:
-                    self.window.fork(parent.request_id, child.request_id)
-            group.append(child)
+        group = self._groups[parent.group_id]
+        for i in range(1, parent.params.n):
+            group.append(self._child(parent, f"{parent.request_id}/{i}", i, parent.seed + i))
         return group[1:]
+
+    def _child(self, parent: Seq, request_id: str, index: int, seed: int) -> Seq:
+        """A sequence forked off ``parent``'s tokens and KV (shared or copied by the
+        allocator; without room it waits and recomputes them), seeded with ``seed``."""
+        child = Seq(
+            request_id=request_id,
+            token_ids=list(parent.token_ids),
+            num_prompt_tokens=parent.num_prompt_tokens,
+            params=parent.params,
+            arrival_time=parent.arrival_time,
+            priority=parent.priority,
+            rng=make_rng(replace(parent.params, seed=seed), 0),
+            seed=seed,
+            ttft_slo=parent.ttft_slo,
+            tpot_slo=parent.tpot_slo,
+            cumulative_logprob=parent.cumulative_logprob,
+            index=index,
+            group_id=parent.group_id,
+        )
+        child.first_scheduled_time = parent.first_scheduled_time
+        self._requests[child.request_id] = child
+        allocation = self.scheduler.fork(parent, child)
+        if allocation is not None:  # its KV is the parent's
+            child.num_cached_tokens = parent.num_computed_tokens
+            self.runner.copy_blocks(allocation.copies)
+            if self.window is not None:  # a ring is copied, never shared
+                self.window.fork(parent.request_id, child.request_id)
+        return child
+
+    def _next_beams(self, group: BeamGroup, now: float) -> list[RequestOutput]:
+        """Every beam has offered: the round's selection becomes KV operations. A parent
+        not chosen is dropped first (its blocks free), one chosen k times forks k - 1
+        children on its KV, then each beam appends its token. The search ends after
+        ``max_tokens`` rounds, at the model length, or when no candidate is left."""
+        chosen = group.select()
+        group.round_times.append(now)
+        kept = {parent for parent, _, _ in chosen}
+        for beam in group.beams:
+            if beam not in kept:
+                self._drop_beam(group, beam)
+        beams, seen = [], set()
+        for parent, token, total in chosen:
+            beam = self._fork_beam(group, parent) if parent in seen else parent
+            seen.add(parent)
+            beams.append((beam, token, total))
+        for beam, token, total in beams:
+            beam.token_ids.append(token)
+            beam.cumulative_logprob = total
+            self.scheduler.unpark(beam)
+        group.beams = [beam for beam, _, _ in beams]
+        if not group.beams:
+            return self._end_beams(group, "stop", now)
+        if self._last_token(group.beams[0]):  # the beams are all one length
+            return self._end_beams(group, "length", now)
+        return []
+
+    def _fork_beam(self, group: BeamGroup, parent: Seq) -> Seq:
+        group.forks += 1
+        return self._child(parent, f"{group.root.request_id}/beam{group.forks}", 0, parent.seed)
+
+    def _drop_beam(self, group: BeamGroup, beam: Seq) -> None:
+        """A beam leaves the search: its blocks (and any host copy) go, it records no row."""
+        self.scheduler.finish(beam)
+        self._host.pop(beam.request_id, None)
+        beam.status = Status.FINISHED
+        self._requests.pop(beam.request_id, None)
+        group.preemptions += beam.preemptions
+
+    def _end_beams(
+        self, group: BeamGroup, reason: str, now: float, abort_reason: str | None = None
+    ) -> list[RequestOutput]:
+        """Finish a beam search: its live beams are dropped and join the completed; the
+        request records one row (its output tokens and token times are its rounds') and
+        returns its best ``beam_width`` hypotheses, best first."""
+        for beam in group.beams:
+            self._drop_beam(group, beam)
+        best = group.finish(reason)
+        root = group.root
+        del self._beams[root.request_id]
+        times = group.round_times
+        self.recorder.request(
+            root,
+            first_token_time=times[0] if times else float("nan"),
+            finish_time=now,
+            output_tokens=len(times),
+            token_times=list(times),
+            preemptions=group.preemptions,
+            finish_reason=reason,
+            abort_reason=abort_reason,
+        )
+        outputs = [self._hypothesis(i, h) for i, h in enumerate(best)]
+        return [
+            RequestOutput(
+                root.request_id, root.prompt_token_ids, outputs, True, abort_reason=abort_reason
+            )
+        ]
+
+    def _hypothesis(self, index: int, h: Hypothesis) -> CompletionOutput:
+        tokenizer = self.model.tokenizer
+        ids = h.output_token_ids[:-1] if h.finish_reason == "stop" else h.output_token_ids
+        return CompletionOutput(
+            index=index,
+            text=tokenizer.decode(ids) if tokenizer is not None else "",
+            token_ids=list(h.output_token_ids),
+            logprobs=None,
+            finish_reason=h.finish_reason,
+            cumulative_logprob=h.cumulative_logprob,
+        )
 
     def _prompt_logprobs(self, seq: Seq, positions: range, logits: mx.array) -> None:
         """Append the prompt logprobs ``logits`` [len(positions), vocab] give: position p's
@@ -650,7 +793,7 @@ class LLMEngine:
         n = seq.params.prompt_logprobs
         for row, p in zip(table, positions, strict=True):
             values = logprob_values(row, row, None, seq.params, "raw_logprobs")
-            seq.prompt_logprobs.append(logprob_dict(values, seq.token_ids[p + 1], n))
+            seq.prompt_logprobs.append(self._decoded(logprob_dict(values, seq.token_ids[p + 1], n)))
 
     def _verify(
         self, plan: SchedulerOutput, logits: mx.array, at: dict[Seq, int]
@@ -687,7 +830,7 @@ class LLMEngine:
         finished = False
         for j, token in enumerate(got.tokens):  # stop conditions drop what follows a stop
             if got.logprobs is not None:
-                seq.logprobs.append(got.logprobs[j])
+                seq.logprobs.append(self._decoded(got.logprobs[j]))
             if finished := self._append(seq, token, now):
                 break
         if not finished:
@@ -758,6 +901,65 @@ class LLMEngine:
             stacklevel=3,
         )
         return None
+
+    def save_prefix_cache(self, folder: str | Path) -> int:
+        """Snapshot the radix allocator's whole prefix cache into ``folder`` (created): one
+        KV file per root-to-leaf path of the tree, its tokens and blocks (the format of
+        ``save_kv``). Returns the number of paths. Between steps, like every engine call."""
+        with self._lock:
+            paths = self._radix("save_prefix_cache").cached_paths()
+            folder = Path(folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            for i, (tokens, blocks) in enumerate(paths):
+                host = self.runner.swap_out(blocks)
+                persistence.save(folder / f"path-{i:05d}.safetensors", self.kv_spec, tokens, host)
+            return len(paths)
+
+    def restore_prefix_cache(self, folder: str | Path) -> int:
+        """Load a ``save_prefix_cache`` snapshot into the prefix cache: each path's blocks
+        that the tree lacks are written into free blocks and indexed, cached and held by
+        nobody, so later requests hit them. A file that cannot be used warns
+        (``KVRestoreWarning``) and is skipped; when the free blocks run out the restore stops
+        with a warning rather than evict what it restored. Returns the tokens restored."""
+        with self._lock:
+            alloc = self._radix("restore_prefix_cache")
+            files = sorted(Path(folder).glob("path-*.safetensors"))
+            if not files:
+                raise ValueError(f"{folder} holds no prefix-cache snapshot (path-*.safetensors)")
+            bs, restored = alloc.block_size, 0
+            for i, path in enumerate(files):
+                try:
+                    saved = persistence.load(path, self.kv_spec)
+                except persistence.KVFileError as e:
+                    warnings.warn(f"{e}; skipped", persistence.KVRestoreWarning, stacklevel=2)
+                    continue
+                tokens = saved.token_ids[: len(saved.token_ids) // bs * bs]
+                slot = f"\0restore-prefix-cache/{i}"  # a scratch sequence no request is
+                have = alloc.match_prefix(slot, [*tokens, -1])  # every full block may match
+                if alloc.stats().free_blocks < blocks_for(len(tokens) - have, bs):
+                    alloc.free(slot)
+                    warnings.warn(
+                        f"prefix-cache restore stopped at {path.name} ({i} of {len(files)} "
+                        "paths): the arena's free blocks are used up",
+                        persistence.KVRestoreWarning,
+                        stacklevel=2,
+                    )
+                    break
+                alloc.allocate(slot, len(tokens))
+                first = have // bs
+                self.runner.swap_in(saved.blocks, alloc.block_table(slot)[first:], first)
+                alloc.commit(slot, tokens)
+                alloc.free(slot)
+                restored += len(tokens) - have
+            return restored
+
+    def _radix(self, what: str):
+        if not hasattr(self.allocator, "cached_paths"):
+            raise ValueError(
+                f"{what} needs a prefix cache: allocator {type(self.allocator).__name__} "
+                "keeps none; use the radix allocator"
+            )
+        return self.allocator
 
     def _release(self, seq: Seq) -> None:
         """Give a finishing sequence's blocks back, saving its KV first if asked (save_kv)."""
@@ -848,15 +1050,28 @@ class LLMEngine:
         stop = seq.stop_reason
         if isinstance(stop, str):
             text = text[: text.index(stop)]
-        # Copies: an output the caller holds must not grow with the sequence.
+        logprobs = cumulative = None
+        if seq.params.logprobs is not None:
+            # Copies: an output the caller holds must not grow with the sequence.
+            logprobs = list(seq.logprobs)
+            tokens = seq.output_token_ids
+            cumulative = sum(lp[t].logprob for t, lp in zip(tokens, logprobs, strict=True))
         return CompletionOutput(
             index=seq.index,
             text=text,
             token_ids=seq.output_token_ids,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            logprobs=logprobs,
             finish_reason=seq.finish_reason,
             stop_reason=stop,
+            cumulative_logprob=cumulative,
         )
+
+    def _decoded(self, logprobs: TokenLogprobs) -> TokenLogprobs:
+        """``logprobs`` with each token's text (vLLM's ``decoded_token``), if a tokenizer."""
+        tokenizer = self.model.tokenizer
+        if tokenizer is None:
+            return logprobs
+        return {t: replace(lp, decoded_token=tokenizer.decode([t])) for t, lp in logprobs.items()}
 
     def _text(self, seq: Seq) -> str:
         tokenizer = self.model.tokenizer

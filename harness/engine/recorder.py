@@ -71,31 +71,32 @@ class Recorder:
             _settle(holding, lambda r: rows[id(r)])
         return [rows[id(r)] for r in self._rows]
 
-    def request(self, seq: Sequence) -> None:
+    def request(self, seq: Sequence, **columns) -> None:
+        """A finished request's row, from ``seq``; ``columns`` replace what the sequence
+        alone cannot say (a beam search's row is its group's, not one beam's)."""
         if not self.enabled:
             return
         nan = float("nan")
-        self.requests.append(
-            {
-                "request_id": seq.request_id,
-                "priority": seq.priority,
-                "arrival_time": seq.arrival_time,
-                "first_scheduled_time": _or_nan(seq.first_scheduled_time),
-                "first_token_time": _or_nan(seq.first_token_time),
-                "finish_time": seq.finish_time,
-                "prompt_tokens": seq.num_prompt_tokens,
-                "output_tokens": seq.num_output_tokens,
-                "cached_tokens": seq.num_cached_tokens or 0,
-                "preemptions": seq.preemptions,
-                "finish_reason": seq.finish_reason,
-                "abort_reason": seq.abort_reason,
-                "ttft_slo": nan if seq.ttft_slo is None else seq.ttft_slo,
-                "tpot_slo": nan if seq.tpot_slo is None else seq.tpot_slo,
-                "token_times": list(seq.token_times),
-                "spec_proposed": seq.spec_proposed,
-                "spec_accepted": seq.spec_accepted,
-            }
-        )
+        row = {
+            "request_id": seq.request_id,
+            "priority": seq.priority,
+            "arrival_time": seq.arrival_time,
+            "first_scheduled_time": _or_nan(seq.first_scheduled_time),
+            "first_token_time": _or_nan(seq.first_token_time),
+            "finish_time": seq.finish_time,
+            "prompt_tokens": seq.num_prompt_tokens,
+            "output_tokens": seq.num_output_tokens,
+            "cached_tokens": seq.num_cached_tokens or 0,
+            "preemptions": seq.preemptions,
+            "finish_reason": seq.finish_reason,
+            "abort_reason": seq.abort_reason,
+            "ttft_slo": nan if seq.ttft_slo is None else seq.ttft_slo,
+            "tpot_slo": nan if seq.tpot_slo is None else seq.tpot_slo,
+            "token_times": list(seq.token_times),
+            "spec_proposed": seq.spec_proposed,
+            "spec_accepted": seq.spec_accepted,
+        }
+        self.requests.append(row | columns)
 
     def snapshot(self, scheduler: Scheduler, plan: SchedulerOutput) -> dict | None:
         """The step's KV memory, token split and queue figures. Taken after scheduling and

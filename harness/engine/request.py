@@ -45,6 +45,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     spec_proposed: int = 0
     spec_accepted: int = 0
+    cumulative_logprob: float = 0.0  # a beam's (beam search), the sum of its tokens' logprobs
     index: int = 0  # which of the request's SamplingParams.n completions this is
     group_id: str = ""  # the caller's request id (``request_id`` is unique per completion)
     prompt_token_ids: tuple[int, ...] = field(init=False, default=())
@@ -90,6 +91,9 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None  # per output token, when params.logprobs
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None
+    # vLLM's: the sum of the output tokens' logprobs (with params.logprobs, as
+    # ``logprobs_mode`` reports them), or a beam's raw cumulative logprob; else None.
+    cumulative_logprob: float | None = None
 
 
 @dataclass

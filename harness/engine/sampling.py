@@ -45,6 +45,16 @@ class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the field and the fix."""
 
 
+def check_fields(params: object, checks: list[tuple[str, bool, str]]) -> None:
+    """Raise for the first (field, ok, what it must be) that is not ok, naming the field."""
+    for name, ok, want in checks:
+        if not ok:
+            raise SamplingParamsError(
+                f"{type(params).__name__}.{name}={getattr(params, name)!r} is invalid: it "
+                f"must be {want}"
+            )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's tokens (vLLM's field names and defaults).
@@ -110,11 +120,7 @@ class SamplingParams:
                 "non-negative ints",
             ),
         ]
-        for name, ok, want in checks:
-            if not ok:
-                raise SamplingParamsError(
-                    f"SamplingParams.{name}={getattr(self, name)!r} is invalid: it must be {want}"
-                )
+        check_fields(self, checks)
 
     @property
     def greedy(self) -> bool:
@@ -150,11 +156,12 @@ class SampleRow:
 
 @dataclass(frozen=True)
 class Logprob:
-    """One token's log-probability (or logit, by ``logprobs_mode``) and its rank, 1 = the
-    highest (vLLM's ``Logprob`` without ``decoded_token``)."""
+    """One token's log-probability (or logit, by ``logprobs_mode``), its rank, 1 = the
+    highest, and its text when the model has a tokenizer (vLLM's ``Logprob``)."""
 
     logprob: float
     rank: int
+    decoded_token: str | None = None
 
 
 TokenLogprobs = dict[int, Logprob]  # token id -> Logprob, at one position

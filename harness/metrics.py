@@ -69,6 +69,7 @@ STEP_SCHEMA: dict[str, str] = {
     "slots_total": "int",  # arena slots
     "external_fragmentation": "float",  # slots_external over free slots (vLLM paper's sense)
     "draft_blocks_used": "int",  # the draft model's blocks (speculative decoding), else 0
+    "window_blocks_used": "int",  # sliding-window layers' ring blocks, else 0
     "mlx_active_bytes": "int",
     "mlx_peak_bytes": "int",
     "spec_proposed": "int",
@@ -97,6 +98,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "kv_utilisation",
     "blocks_used_peak",
     "blocks_used_mean",
+    "window_blocks_used_peak",
     "external_fragmentation_mean",
     "kv_sharing_saving",
     "prefix_hit_rate",
@@ -307,6 +309,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
         kv_utilisation=_ratio(over_time(parts["tokens"]), over_time(allocated)),
         blocks_used_peak=float(st["blocks_used"].max()) if len(st) else math.nan,
         blocks_used_mean=over_time(st["blocks_used"]),
+        window_blocks_used_peak=float(st["window_blocks_used"].max()) if len(st) else math.nan,
         external_fragmentation_mean=over_time(st["external_fragmentation"]),
         kv_sharing_saving=_ratio(over_time(st["blocks_shared"]), over_time(st["block_refs"])),
         prefix_hit_rate=_ratio(req["cached_tokens"].sum(), req["prompt_tokens"].sum()),
@@ -355,6 +358,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         (
             "Blocks used peak / mean",
             f"{_num(s['blocks_used_peak'], digits=0)} / {_num(s['blocks_used_mean'], digits=1)}",
+        ),
+        *(
+            [("Window ring blocks peak", _num(rings, digits=0))]
+            if (rings := s.get("window_blocks_used_peak", 0)) > 0  # a sliding-window model
+            else []
         ),
         (
             "External fragmentation (mean)",

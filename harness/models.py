@@ -7,6 +7,7 @@ depend on what the weights say.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,20 @@ SIZES: dict[str, dict[str, int]] = {
     ),
 }
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "gemma3_text", "gpt_oss")
+
+# Fields an architecture needs beyond SIZES, at tiny scale. Windows of 16 tokens make short
+# prompts slide (tests); gpt-oss's experts are few and small.
+ARCH_FIELDS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {},
+    # every third layer full attention, the others a 16-token window (Gemma 3: every sixth)
+    "gemma3_text": dict(
+        head_dim=64, query_pre_attn_scalar=64, sliding_window=16, sliding_window_pattern=3
+    ),
+    # alternating window / full layers, as gpt-oss; attention sinks (zero at random init)
+    "gpt_oss": dict(head_dim=64, sliding_window=16, num_local_experts=4, num_experts_per_tok=2),
+}
 
 
 @dataclass
@@ -53,14 +67,30 @@ class LoadedModel:
     tokenizer: Any = None
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int | None = None  # None: the config sets no limit
+    # Sliding-window layers (mlx_lm's RotatingKVCache): each query attends to the last
+    # ``window`` positions, itself included. Empty: every layer is full attention.
+    window_layers: tuple[int, ...] = ()
+    window: int | None = None
 
     @property
     def num_params(self) -> int:
         return sum(v.size for _, v in tree_flatten(self.model.parameters()))
 
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """The full-attention layers (all of them when no layer has a window)."""
+        window = set(self.window_layers)
+        return tuple(i for i in range(self.num_layers) if i not in window)
+
+    def layer_bytes_per_token(self) -> int:
+        """Bytes of K and V that one token occupies in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.size
+
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V that one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+        """Bytes of K and V that one token occupies across the full-attention layers (all
+        layers of a model without windows; a window layer's KV is capped, see
+        harness/engine/window.py)."""
+        return len(self.full_layers) * self.layer_bytes_per_token()
 
 
 def random_model(
@@ -81,12 +111,10 @@ def random_model(
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
         **SIZES[size],
+        **ARCH_FIELDS[arch],
         **overrides,
     }
-    if arch == "llama":
-        from mlx_lm.models import llama as module
-    else:
-        from mlx_lm.models import qwen2 as module
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
     model = module.Model(module.ModelArgs.from_dict(config))
     # Normal weights with std 1/sqrt(fan_in) keep activations O(1) through the layers and give
     # logits spread widely enough that greedy ties (which would make token-identity tests
@@ -189,13 +217,33 @@ def _one_line(error: Exception) -> str:
 
 
 def describe(model: nn.Module, name: str, **extra: Any) -> LoadedModel:
-    """Read the KV geometry of an mlx_lm model; fail clearly if the paged cache cannot run it."""
+    """Read the KV geometry of an mlx_lm model; fail clearly if the paged cache cannot run it.
+
+    Layers whose mlx_lm cache is a ``RotatingKVCache`` (sliding window, ``keep=0``) become
+    window layers; every window must be the same size (one window group)."""
+    window_layers, windows = [], set()
     if hasattr(model, "make_cache"):
-        kinds = {type(c).__name__ for c in model.make_cache()}
-        if kinds != {"KVCache"}:
+        caches = model.make_cache()
+        kinds = {type(c).__name__ for c in caches}
+        if not kinds <= {"KVCache", "RotatingKVCache"}:
             raise ValueError(
                 f"model {name!r} needs cache types {sorted(kinds)}; kvbench's paged cache "
-                "implements full attention (KVCache) only, not sliding-window or recurrent layers"
+                "implements full attention (KVCache) and sliding windows (RotatingKVCache) "
+                "only, not recurrent or quantized layers"
+            )
+        for i, c in enumerate(caches):
+            if type(c).__name__ == "RotatingKVCache":
+                if c.keep:
+                    raise ValueError(
+                        f"model {name!r}: layer {i} keeps {c.keep} leading tokens in its "
+                        "window (RotatingKVCache keep); kvbench's window group keeps none"
+                    )
+                window_layers.append(i)
+                windows.add(c.max_size)
+        if len(windows) > 1:
+            raise ValueError(
+                f"model {name!r} has windows of sizes {sorted(windows)}; kvbench runs one "
+                "window size per model"
             )
     args = model.args
     heads = args.num_attention_heads
@@ -210,5 +258,7 @@ def describe(model: nn.Module, name: str, **extra: Any) -> LoadedModel:
         vocab_size=args.vocab_size,
         dtype=attn.k_proj.weight.dtype,
         max_position_embeddings=getattr(args, "max_position_embeddings", None),
+        window_layers=tuple(window_layers),
+        window=windows.pop() if windows else None,
         **extra,
     )

@@ -89,6 +89,9 @@ class Scheduler(ABC):
             not fit is preempted by recompute instead.
         num_lookahead_slots: draft tokens a decode may verify per step (speculative
             decoding; the engine sets it, 0 without).
+        read_prefix_cache: admission matches a waiting request's prompt against the prefix
+            cache (``match_prefix``); the engine turns it off for a model with sliding-window
+            layers, whose window KV a cached prefix does not hold.
     """
 
     chunked_prefill = False
@@ -107,6 +110,7 @@ class Scheduler(ABC):
         preemption_mode: str = "recompute",
         swap_blocks: int | None = None,
         num_lookahead_slots: int = 0,
+        read_prefix_cache: bool = True,
     ) -> None:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.chunked_prefill else max(max_model_len, 2048)
@@ -159,6 +163,7 @@ class Scheduler(ABC):
         self.restored: dict[str, int] = {}
         self.parked: set[Request] = set()  # need no step until unparked (see park)
         self.num_lookahead_slots = num_lookahead_slots
+        self.read_prefix_cache = read_prefix_cache
         self.release_listeners: list[Callable[[str], None]] = []
 
     # -- requests in and out -------------------------------------------------------------
@@ -354,7 +359,7 @@ class Scheduler(ABC):
             # for prompt logprobs reads none of it: it needs logits at every prompt position.
             computed = seq.num_computed_tokens if swapped else seq.num_tokens
             cached = 0
-            if swapped or not seq.params.skip_reading_prefix_cache:
+            if swapped or self._reads_prefix_cache(seq):
                 cached = self.allocator.match_prefix(seq.request_id, seq.token_ids[: computed + 1])
             if not swapped:
                 seq.num_computed_tokens = max(cached, self.restored.get(seq.request_id, 0))
@@ -391,6 +396,11 @@ class Scheduler(ABC):
                 seq.first_scheduled_time = now
             budget = self._run(out, seq, n, alloc, budget)
         return budget
+
+    def _reads_prefix_cache(self, seq: Request) -> bool:
+        """A waiting ``seq`` takes prefix-cache hits (a swapped one always does: its host
+        copy holds the rest, and every layer's blocks)."""
+        return self.read_prefix_cache and not seq.params.skip_reading_prefix_cache
 
     def _write_back(self, out: SchedulerOutput, seq: Request, cached: int) -> None:
         """An admitted request's restored host copy: its blocks past the prefix-cache hit are

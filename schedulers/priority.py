@@ -104,7 +104,8 @@ class PriorityScheduler(Scheduler):
         """The cheap test first: ``head`` fits now, the others' decodes counted."""
         alloc, rid = self.allocator, head.request_id
         whole = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
-        prefix = head.token_ids[: whole + 1]
+        swapped = head.status is Status.SWAPPED
+        prefix = head.token_ids[: whole + 1] if swapped or self._reads_prefix_cache(head) else ()
         growth = sum(self._decode_blocks(s) for s in self.running)
         return (
             len(self.running) < self.max_num_seqs
@@ -134,7 +135,7 @@ class PriorityScheduler(Scheduler):
             return False
         whole = head.num_computed_tokens if swapped else head.num_tokens
         rid = head.request_id
-        if swapped or not head.params.skip_reading_prefix_cache:
+        if swapped or self._reads_prefix_cache(head):
             trial.match_prefix(rid, head.token_ids[: whole + 1])
         keep = self.watermark_blocks if staying else 0
         return trial.can_allocate(rid, whole) and (

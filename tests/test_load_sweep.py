@@ -4,10 +4,11 @@ them, one real tiny load sweep, and bad options named before any work."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
-from conftest import TINY
+from conftest import ROOT, TINY
 
 from harness import compare, report, results
 from harness.load_sweep import RECORD_FILE, jobs, main, spread_rates, sweep
@@ -36,6 +37,10 @@ def test_jobs_expand_like_hydras_sweeper_with_the_command_line_last() -> None:
 
 def test_a_tiny_load_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    # Its kvbench subprocesses run this checkout's code (a git worktree tests its own).
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
     folder = sweep([*TINY, "sweep_id=load"], num_rates=2)
     record = json.loads((folder / RECORD_FILE).read_text())
     (measured,) = record["saturation"]

@@ -259,6 +259,7 @@ def _reference(reqs, steps, clock):
     out["kv_utilisation"] = tokens / allocated if allocated > 0 else NAN
     out["blocks_used_peak"] = max(s["blocks_used"] for s in steps)
     out["blocks_used_mean"] = over_time([s["blocks_used"] for s in steps])
+    out["window_blocks_used_peak"] = max(s["window_blocks_used"] for s in steps)
     out["external_fragmentation_mean"] = over_time([s["external_fragmentation"] for s in steps])
     shared, refs = (over_time([s[k] for s in steps]) for k in ("blocks_shared", "block_refs"))
     out["kv_sharing_saving"] = shared / refs if refs > 0 else math.nan

@@ -11,7 +11,7 @@ from reference import mlx_lm_tokens
 from allocators.free_list import FreeListAllocator
 from harness.engine import LLMEngine
 from harness.engine.sampling import SamplingParams
-from harness.models import random_model
+from harness.models import describe, random_model
 from schedulers.fcfs import FCFSScheduler
 
 
@@ -31,14 +31,33 @@ def test_same_seed_same_weights_and_sizes_differ():
     assert random_model(size="small").num_params > 5 * a.num_params
 
 
-def test_sliding_window_model_is_rejected_at_load():
-    with pytest.raises(ValueError, match="sliding-window"):
-        random_model(
-            "llama",
-            "tiny",
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            sliding_window=8,
-        )
+def test_sliding_window_layers_are_read_from_make_cache():
+    # A Mistral-style Llama: mlx_lm gives its sliding layers a RotatingKVCache.
+    loaded = random_model(
+        "llama", "tiny", layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8
+    )
+    assert loaded.window == 8
+    assert loaded.window_layers == (0, 2) and loaded.full_layers == (1, 3)
+    assert loaded.kv_bytes_per_token() == 2 * loaded.layer_bytes_per_token()
+
+
+def test_recurrent_model_is_rejected_at_load():
+    from mlx_lm.models import mamba
+
+    args = mamba.ModelArgs(
+        model_type="mamba",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        state_size=4,
+        num_hidden_layers=2,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_rank=4,
+    )
+    with pytest.raises(ValueError, match=r"ArraysCache.*not recurrent"):
+        describe(mamba.Model(args), "mamba")
 
 
 @pytest.mark.parametrize("field, value", [("arch", "gpt9"), ("size", "huge")])

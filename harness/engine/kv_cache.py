@@ -64,9 +64,10 @@ class KVArena:
 
     @classmethod
     def for_model(cls, model: LoadedModel, num_blocks: int, block_size: int) -> KVArena:
-        """An arena shaped for ``model``'s KV (layers, KV heads, head size, dtype)."""
+        """An arena shaped for ``model``'s full-attention KV (layers, KV heads, head size,
+        dtype); sliding-window layers have their own (harness/engine/window.py)."""
         return cls(
-            num_layers=model.num_layers,
+            num_layers=len(model.full_layers),
             num_blocks=num_blocks,
             block_size=block_size,
             num_kv_heads=model.num_kv_heads,

@@ -15,6 +15,7 @@ default (see ``LLMEngine.__init__``).
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import warnings
@@ -54,6 +55,7 @@ from harness.engine.speculative import (
     Verified,
     verify,
 )
+from harness.engine.window import WindowGroup
 from harness.models import LoadedModel
 from schedulers.base import Scheduled, Scheduler, SchedulerOutput
 from schedulers.request import Status
@@ -77,6 +79,7 @@ class LLMEngine:
         scheduler: Scheduler,
         *,
         proposer: DraftProposer | None = None,
+        window: WindowGroup | None = None,
         clock: Clock | None = None,
         seed: int = 0,
         record: bool = True,
@@ -85,7 +88,9 @@ class LLMEngine:
     ) -> None:
         """``logprobs_mode`` (vLLM's, engine-wide as there): what ``SamplingParams.logprobs``
         report, raw (before any processing, the default) or processed (what the token was
-        drawn from), as log-probabilities or logits; see ``harness/engine/sampling.py``."""
+        drawn from), as log-probabilities or logits; see ``harness/engine/sampling.py``.
+        ``window``: the sliding-window layers' group of a model that has them
+        (harness/engine/window.py; ``build`` makes it)."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"engine.logprobs_mode={logprobs_mode!r} is invalid: it must be one of "
@@ -98,7 +103,15 @@ class LLMEngine:
                 "a draft proposer and the scheduler's num_lookahead_slots go together: build "
                 "a speculative engine with LLMEngine.build(..., speculative=Speculation(...))"
             )
+        if (window is None) != (not model.window_layers):
+            raise ValueError(
+                f"model {model.name!r} has sliding-window layers {model.window_layers}: build "
+                "its engine with LLMEngine.build, which makes their window group"
+                if window is None
+                else f"model {model.name!r} has no sliding-window layers: give no window group"
+            )
         self.model = model
+        self.window = window
         self.allocator = allocator
         self.scheduler = scheduler
         self.clock = clock or VirtualClock()
@@ -111,12 +124,15 @@ class LLMEngine:
         # dispatched while the previous step's reads are pending may copy whole layers.
         self.pipeline = pipeline
         self.arena = KVArena.for_model(model, allocator.num_blocks, allocator.block_size)
-        self.runner = ModelRunner(model, self.arena)
+        self.runner = ModelRunner(model, self.arena, window)
         self.proposer = proposer  # the draft model, when speculating
         if proposer is not None:
             scheduler.release_listeners.append(proposer.release)
+        if window is not None:
+            scheduler.release_listeners.append(window.release)
         draft_allocator = proposer.allocator if proposer is not None else None
-        self.recorder = Recorder(allocator, draft_allocator, enabled=record)
+        window_allocator = window.allocator if window is not None else None
+        self.recorder = Recorder(allocator, draft_allocator, window_allocator, enabled=record)
         self._verifications = Verifications()  # this step's, filled by _verify
         self._proposals: dict[Seq, Proposal] = {}  # this step's drafts, from _rows to _postprocess
         self._lock = threading.RLock()
@@ -156,7 +172,12 @@ class LLMEngine:
 
         ``speculative``: a draft model proposes tokens the target verifies. Its KV lives on
         an allocator built like the target's, with as many blocks, and counts in the budget:
-        ``kv_cache_bytes`` then sizes both arenas (target + draft bytes per block)."""
+        ``kv_cache_bytes`` then sizes both arenas (target + draft bytes per block).
+
+        A model with sliding-window layers gets a window group (harness/engine/window.py): a
+        ring per running sequence, ``max_num_seqs`` of them, in an arena of its own;
+        ``num_blocks`` counts the full-attention layers' blocks, and ``kv_cache_bytes`` pays
+        for the rings first. Its scheduler reads no prefix cache."""
         limit = model.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit or DEFAULT_MAX_MODEL_LEN
@@ -169,22 +190,52 @@ class LLMEngine:
             raise ValueError("set exactly one of engine.num_blocks and engine.kv_cache_bytes")
         if num_blocks is not None and num_blocks < 1:
             raise ValueError(f"engine.num_blocks={num_blocks} must be at least 1")
+        if speculative is not None and model.window_layers:
+            raise ValueError(
+                f"model {model.name!r} has sliding-window layers: speculative decoding is not "
+                "supported with them (a rollback would have to restore overwritten ring "
+                "slots); run it without speculative"
+            )
         draft = speculative.draft_for(model) if speculative is not None else None
+        if draft is not None and draft.window_layers:
+            raise ValueError(
+                f"draft model {draft.name!r} has sliding-window layers: speculative decoding "
+                "needs a draft of full-attention layers only"
+            )
+        window = None
+        if model.window_layers:
+            window = WindowGroup(
+                model, allocator, block_size=block_size, max_num_seqs=_max_num_seqs(scheduler)
+            )
         if num_blocks is None:
+            if window is not None:
+                kv_cache_bytes -= window.arena.nbytes
             per_token = model.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft else 0)
             per_block = per_token * block_size
             num_blocks = kv_cache_bytes // per_block
             if num_blocks < 1:
+                rings = f" after {window.arena.nbytes} for the window rings" if window else ""
                 raise ValueError(
-                    f"engine.kv_cache_bytes={kv_cache_bytes} holds no block of {per_block} bytes"
+                    f"engine.kv_cache_bytes leaves {kv_cache_bytes} bytes{rings}: no block of "
+                    f"{per_block} bytes; raise it"
                 )
         alloc = allocator(num_blocks=num_blocks, block_size=block_size)
         lookahead = speculative.num_draft_tokens if speculative is not None else 0
-        policy = scheduler(alloc, max_model_len=max_model_len, num_lookahead_slots=lookahead)
+        policy = scheduler(
+            alloc,
+            max_model_len=max_model_len,
+            num_lookahead_slots=lookahead,
+            read_prefix_cache=window is None,
+        )
+        if window is not None and policy.max_num_seqs != window.max_num_seqs:
+            raise ValueError(
+                f"the scheduler runs {policy.max_num_seqs} sequences, the window group has "
+                f"rings for {window.max_num_seqs}: bind scheduler.max_num_seqs in its partial"
+            )
         proposer = None
         if draft is not None:
             proposer = DraftProposer(draft, allocator(num_blocks=num_blocks, block_size=block_size))
-        return cls(model, alloc, policy, proposer=proposer, **kwargs)
+        return cls(model, alloc, policy, proposer=proposer, window=window, **kwargs)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -232,6 +283,11 @@ class LLMEngine:
             raise RequestError(
                 f"request {request_id!r}: save_kv={str(save_kv)!r} is in no existing folder; "
                 "create the folder first"
+            )
+        if (save_kv is not None or restore_kv is not None) and self.window is not None:
+            raise RequestError(
+                f"request {request_id!r}: save_kv and restore_kv are not supported for model "
+                f"{self.model.name!r}, which has sliding-window layers; drop them"
             )
         if params.stop and self.model.tokenizer is None:
             raise RequestError(
@@ -480,13 +536,19 @@ class LLMEngine:
             start = time.perf_counter()
             for s in plan.swapped_out:
                 self._host[s.seq.request_id] = self.runner.swap_out(s.blocks)
+                if self.window is not None:
+                    self.window.swap_out(s.seq.request_id)
             swap_time += time.perf_counter() - start
         self.runner.copy_blocks(plan.copies)  # a source may be a block a swap-in reuses
         if plan.swapped_in:
             start = time.perf_counter()
             for s in plan.swapped_in:
                 self.runner.swap_in(self._host.pop(s.seq.request_id), s.blocks, s.first)
+                if self.window is not None:
+                    self.window.swap_in(s.seq.request_id)
             swap_time += time.perf_counter() - start
+        if self.window is not None:
+            self.window.moved()
         return swap_time
 
     def generate(
@@ -533,6 +595,7 @@ class LLMEngine:
                     table=self.allocator.block_table(seq.request_id),
                     num_logits=num_prompt + (1 + len(drafts) if end == seq.num_tokens else 0),
                     carried=carried,
+                    ring=self.window.table(seq.request_id) if self.window is not None else (),
                 )
             )
         return rows
@@ -638,6 +701,8 @@ class LLMEngine:
         if allocation is not None:  # its KV is the parent's
             child.num_cached_tokens = parent.num_computed_tokens
             self.runner.copy_blocks(allocation.copies)
+            if self.window is not None:  # a ring is copied, never shared
+                self.window.fork(parent.request_id, child.request_id)
         return child
 
     def _next_beams(self, group: BeamGroup, now: float) -> list[RequestOutput]:
@@ -1037,6 +1102,23 @@ class LLMEngine:
                 f"[0, {vocab})"
             )
         return tokens
+
+
+def _max_num_seqs(scheduler: Callable[..., Scheduler]) -> int:
+    """The ``max_num_seqs`` a scheduler partial builds with: bound, else the default of the
+    first class up its MRO that names it (policies pass ``**kwargs`` up)."""
+    bound = getattr(scheduler, "keywords", {})
+    if "max_num_seqs" in bound:
+        return bound["max_num_seqs"]
+    func = getattr(scheduler, "func", scheduler)
+    for cls in getattr(func, "__mro__", ()):
+        param = inspect.signature(cls.__init__).parameters.get("max_num_seqs")
+        if param is not None:
+            return param.default
+    raise ValueError(
+        f"cannot tell {func!r}'s max_num_seqs, which sizes the window rings: bind it in the "
+        "scheduler partial (scheduler.max_num_seqs)"
+    )
 
 
 def _prompt_positions(seq: Seq, num_new_tokens: int) -> range:

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from harness.engine.kv_cache import BatchLayout, HostBlocks, KVArena, PagedKVCache
+from harness.engine.window import WindowGroup, WindowKVCache, WindowLayout
 from harness.models import LoadedModel
 
 
@@ -29,13 +30,15 @@ class Row:
 
     ``carried``: (position in ``tokens``, index into the ``carried`` tokens given to
     ``forward``) for tokens the previous step sampled and the host has not seen yet (their
-    place in ``tokens`` holds a placeholder)."""
+    place in ``tokens`` holds a placeholder). ``ring``: its window-layer blocks (a model
+    with sliding-window layers, harness/engine/window.py)."""
 
     tokens: Sequence[int]
     start: int
     table: Sequence[int]
     num_logits: int = 1
     carried: Sequence[tuple[int, int]] = ()
+    ring: Sequence[int] = ()
 
 
 @dataclass
@@ -49,11 +52,19 @@ class Forward:
 
 
 class ModelRunner:
-    """Owns MLX for one model and its arena: applies block copies, runs forwards."""
+    """Owns MLX for one model and its arena: applies block copies, runs forwards.
 
-    def __init__(self, loaded: LoadedModel, arena: KVArena):
+    ``arena`` holds the full-attention layers; ``window`` the sliding-window layers' group,
+    for a model that has some."""
+
+    def __init__(self, loaded: LoadedModel, arena: KVArena, window: WindowGroup | None = None):
         self.loaded = loaded
         self.arena = arena
+        self.window = window
+        # Each layer's arena and its index there.
+        full, ring = loaded.full_layers, loaded.window_layers
+        self._slots = {layer: (False, i) for i, layer in enumerate(full)}
+        self._slots.update({layer: (True, i) for i, layer in enumerate(ring)})
         self.body, self.head = _split_head(loaded.model)
         # One key read by one query, in units of one token through the weights: attention
         # takes ~4 flops per hidden unit per key, the layers' matmuls ~24 per hidden unit^2.
@@ -106,11 +117,17 @@ class ModelRunner:
 
     def launch(self, outputs: Sequence[mx.array]) -> None:
         """Start computing ``outputs`` and the arena's writes; returns at once."""
-        mx.async_eval(*outputs, self.arena.keys, self.arena.values)
+        mx.async_eval(*outputs, *self._pools())
 
     def wait(self, outputs: Sequence[mx.array]) -> None:
         """Block until ``outputs`` and the arena's writes are computed."""
-        mx.eval(*outputs, self.arena.keys, self.arena.values)
+        mx.eval(*outputs, *self._pools())
+
+    def _pools(self) -> list[list[mx.array]]:
+        pools = [self.arena.keys, self.arena.values]
+        if self.window is not None:
+            pools += [self.window.arena.keys, self.window.arena.values]
+        return pools
 
     def _plan(self, rows: Sequence[Row]):
         width = max(len(r.tokens) for r in rows)
@@ -130,10 +147,30 @@ class ModelRunner:
             for b, r in enumerate(rows)
             for j in range(r.num_logits)
         ]
-        return mx.array(inputs), layout, picks
+        ring = None
+        if self.window is not None:
+            ring = WindowLayout.build(
+                [r.ring for r in rows],
+                [r.start for r in rows],
+                [len(r.tokens) for r in rows],
+                window=self.window.window,
+                block_size=self.arena.block_size,
+                scratch_block=self.window.arena.scratch_block,
+                num_kv_heads=self.loaded.num_kv_heads,
+            )
+        return mx.array(inputs), (layout, ring), picks
 
-    def _run(self, inputs: mx.array, layout: BatchLayout, picks: list[int]) -> mx.array | None:
-        caches = [PagedKVCache(self.arena, i, layout) for i in range(self.loaded.num_layers)]
+    def _run(
+        self, inputs: mx.array, layouts: tuple[BatchLayout, WindowLayout | None], picks: list[int]
+    ) -> mx.array | None:
+        layout, ring = layouts
+        caches = []
+        for layer in range(self.loaded.num_layers):
+            windowed, i = self._slots[layer]
+            if windowed:
+                caches.append(WindowKVCache(self.window.arena, i, ring, self.window.window))
+            else:
+                caches.append(PagedKVCache(self.arena, i, layout))
         hidden = self.body(inputs, cache=caches)
         if not picks:
             return None

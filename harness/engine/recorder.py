@@ -49,11 +49,13 @@ class Recorder:
         self,
         allocator: BlockAllocator,
         draft_allocator: BlockAllocator | None = None,
+        window_allocator: BlockAllocator | None = None,
         *,
         enabled: bool = True,
     ):
         self.allocator = allocator
         self.draft_allocator = draft_allocator  # the draft model's KV (speculative decoding)
+        self.window_allocator = window_allocator  # sliding-window layers' rings
         self.enabled = enabled
         self.requests: list[dict] = []
         self._rows: list[dict] = []
@@ -154,6 +156,7 @@ class Recorder:
             slots_total=stats.num_blocks * bs,
             external_fragmentation=unusable / stats.free_blocks if stats.free_blocks else 0.0,
             draft_blocks_used=draft.stats().used_blocks if (draft := self.draft_allocator) else 0,
+            window_blocks_used=ring.stats().used_blocks if (ring := self.window_allocator) else 0,
             mlx_active_bytes=mx.get_active_memory(),
         )
         # Allocations live at the previous step and not now have ended: settle them.

@@ -161,6 +161,7 @@ class Scheduler(ABC):
         (``SwapIn`` in the same step), and computes only the rest."""
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        self.allocator.expect(seq.request_id, self._final_slots(seq))
         if restored:
             self.restored[seq.request_id] = restored
 
@@ -180,6 +181,7 @@ class Scheduler(ABC):
         engine). Without room, or at ``max_num_seqs``, the child waits and recomputes."""
         alloc = None
         if len(self.running) < self.max_num_seqs:
+            self.allocator.expect(child.request_id, self._final_slots(child))
             alloc = self.allocator.fork(parent.request_id, child.request_id)
         if alloc is None:
             child.num_computed_tokens = 0
@@ -198,9 +200,21 @@ class Scheduler(ABC):
             if seq in queue:
                 queue.remove(seq)
                 break
+        self._forget(seq)
+
+    def _forget(self, seq: Request) -> None:
+        """``seq`` leaves for good: its blocks, host copy, restored KV and hint go."""
         self._release(seq.request_id)
+        self.allocator.expect(seq.request_id, None)
         self.host_blocks.pop(seq.request_id, None)
         self.restored.pop(seq.request_id, None)
+
+    def _final_slots(self, seq: Request) -> int:
+        """The KV slots ``seq`` holds when it finishes: its prompt and ``max_tokens`` outputs
+        but the last (sampled, never fed back), at most ``max_seq_len``. Exact in a replay
+        (greedy, EOS ignored); an upper bound where EOS or a stop rule ends it sooner."""
+        prompt = seq.num_tokens - seq.num_output_tokens
+        return min(prompt + seq.params.max_tokens - 1, self.max_seq_len)
 
     def _release(self, request_id: str) -> None:
         self.allocator.free(request_id)
@@ -322,6 +336,7 @@ class Scheduler(ABC):
             if not swapped and (reason := self._never_fits(seq)):
                 self.waiting.remove(seq)
                 self.restored.pop(seq.request_id, None)
+                self.allocator.expect(seq.request_id, None)
                 out.rejected.append((seq, reason))
                 continue
             # Blocks still in the prefix cache come back without a copy (radix). A request
@@ -343,6 +358,7 @@ class Scheduler(ABC):
                     (self.swapped if swapped else self.waiting).remove(seq)
                     self.host_blocks.pop(seq.request_id, None)
                     self.restored.pop(seq.request_id, None)
+                    self.allocator.expect(seq.request_id, None)
                     need = seq.num_computed_tokens if swapped else seq.num_tokens
                     out.rejected.append((seq, f"{need} KV slots do not fit in the empty arena"))
                     continue

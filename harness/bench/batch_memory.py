@@ -1,6 +1,7 @@
 """KV memory of mlx_lm's BatchGenerator (padded caches) against kvbench's allocators, one trace.
 
-``python -m harness.bench batch_memory [--allocators free_list,...] [--rounds 1] [OVERRIDES]``
+``python -m harness.bench batch_memory [--allocators free_list,...] [--rounds 1] [--csv FILE]
+[OVERRIDES]``
 
 The trace, model and engine settings are kvbench's own config composed with
 ``experiment=padding_waste`` and OVERRIDES (e.g. ``trace.num_requests=8``); every request is
@@ -25,12 +26,14 @@ Memory, time-weighted over the replay, in MiB of K and V over all layers:
                not in ``allocated``. kvbench reserves its whole arena up front (printed).
 
 Throughput is (prompt + output tokens) / wall seconds of the replay, the fastest of
-``--rounds`` (memory figures are the last round's; they barely move between rounds).
+``--rounds`` (memory figures are the last round's; they barely move between rounds). ``--csv``
+also writes one row per system (bytes and tokens/s, unrounded).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +50,7 @@ from harness.replay import replay
 from harness.run import _build, warm_up
 from harness.traces import Trace
 
+FIELDS = ("allocated", "tokens", "peak_allocated", "active", "tokens_per_s")
 CONF = Path(__file__).resolve().parents[2] / "conf"
 MIB = 2**20
 
@@ -206,6 +210,7 @@ def main(argv: list[str]) -> None:
         help="kvbench allocators (conf/allocator/ options), comma-separated",
     )
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (fastest kept)")
+    parser.add_argument("--csv", help="also write the figures to this CSV file")
     parser.add_argument("overrides", nargs="*", help="kvbench config overrides (key=value)")
     args = parser.parse_args(argv)
     results, facts = measure(args.overrides, args.allocators.split(","), args.rounds)
@@ -225,3 +230,9 @@ def main(argv: list[str]) -> None:
             f"{m.utilisation:>6.1%} {m.peak_allocated / MIB:>8.2f} {active:>8} "
             f"{m.tokens_per_s:>8.0f}"
         )
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(["system", *FIELDS, "utilisation"])
+            for name, m in results.items():
+                out.writerow([name, *(getattr(m, k) for k in FIELDS), m.utilisation])

@@ -1,7 +1,7 @@
 """Recompute against swap: the cost of one preemption by the victim's length, per allocator.
 
-``python -m harness.bench preemption [--sizes tiny,small] [--lengths 32,128,512,2048]
-[--allocators free_list,contiguous,buddy] [--repeats 3]``
+``python -m harness.bench preemption [--sizes tiny,small] [--lengths 16,64,256,1024]
+[--allocators free_list,contiguous,buddy] [--repeats 3] [--csv FILE]``
 
 One controlled preemption through the real engine (LLMEngine, PriorityScheduler with
 ``preempt_lower``), for each model size, allocator, victim length L and mode, on a fresh
@@ -23,12 +23,14 @@ adds before the victim's next token beyond the decode step it would have run any
 
 Figures are medians in ms over ``--repeats`` rounds after a warm-up round, every mode and
 allocator interleaved within a round. ``crossover`` is the shortest L from which swap stays
-cheaper than recompute (``-``: not in the lengths measured).
+cheaper than recompute (``-``: not in the lengths measured). ``--csv`` also writes one row per
+figure (model, allocator, length, recompute_ms, swap_ms).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import statistics
 from functools import partial
 
@@ -137,7 +139,7 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--sizes", default="tiny,small", help="random model sizes, comma-separated")
     parser.add_argument(
-        "--lengths", default="32,128,512,2048", help="victim lengths in tokens, comma-separated"
+        "--lengths", default="16,64,256,1024", help="victim lengths in tokens, comma-separated"
     )
     parser.add_argument(
         "--allocators",
@@ -145,7 +147,9 @@ def main(argv: list[str]) -> None:
         help=f"allocators, comma-separated, of {', '.join(ALLOCATORS)}",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per figure")
+    parser.add_argument("--csv", help="also write the figures to this CSV file")
     args = parser.parse_args(argv)
+    rows = []
     lengths = sorted(map(int, args.lengths.split(",")))
     allocators = args.allocators.split(",")
     print(f"block size {BLOCK_SIZE}; ms per preemption, median of {args.repeats} rounds")
@@ -161,9 +165,15 @@ def main(argv: list[str]) -> None:
         for allocator in allocators:
             for n in lengths:
                 r, s = costs[allocator, n, "recompute"], costs[allocator, n, "swap"]
+                rows.append([loaded.name, allocator, n, r, s])
                 print(
                     f"{allocator:<12} {n:>6} {n * kv / 1e6:>7.2f} {r:>10.2f} {s:>8.2f} "
                     f"{s / r if r > 0 else float('nan'):>15.2f}"
                 )
             cross = crossover(costs, allocator, lengths)
             print(f"{allocator:<12} crossover: {'-' if cross is None else cross}")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(["model", "allocator", "length", "recompute_ms", "swap_ms"])
+            out.writerows(rows)

@@ -193,18 +193,22 @@ class ContiguousAllocator(RegionAllocator):
     """First-fit contiguous runs. What a region reserves up front (at most the whole arena),
     the baselines of the vLLM paper's Fig. 2: ``reserve="exact"`` nothing beyond the table;
     ``"max_len"`` ``max_len`` slots, as Orca (Max); ``"oracle"`` the slots the sequence will
-    hold when it finishes, its ``expect`` hint, as Orca (Oracle) (no hint: exact)."""
+    hold when it finishes, its ``expect`` hint, as Orca (Oracle); ``"pow2"`` that hint rounded
+    up to a power of two slots, as Orca (Pow2) (which rounds the output length alone). A
+    sequence without a hint reserves exactly."""
 
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
-        reserve: Literal["exact", "max_len", "oracle"] = "exact",
+        reserve: Literal["exact", "max_len", "oracle", "pow2"] = "exact",
         max_len: int | None = None,
     ) -> None:
         super().__init__(num_blocks, block_size)
-        if reserve not in ("exact", "max_len", "oracle"):
-            raise ValueError(f"reserve must be 'exact', 'max_len' or 'oracle', got {reserve!r}")
+        if reserve not in ("exact", "max_len", "oracle", "pow2"):
+            raise ValueError(
+                f"reserve must be 'exact', 'max_len', 'oracle' or 'pow2', got {reserve!r}"
+            )
         if reserve == "max_len" and (
             isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1
         ):
@@ -213,7 +217,7 @@ class ContiguousAllocator(RegionAllocator):
         self._reserve_blocks = (
             min(blocks_for(max_len, block_size), num_blocks) if reserve == "max_len" else 0
         )
-        self._expected: dict[str, int] = {}  # oracle: seq_id -> slots at its finish
+        self._expected: dict[str, int] = {}  # oracle, pow2: seq_id -> slots to reserve
         self._is_free = bytearray(b"\x01" * num_blocks)  # bytes.find scans it at C speed
 
     def expect(self, seq_id: str, num_tokens: int | None) -> None:
@@ -222,7 +226,9 @@ class ContiguousAllocator(RegionAllocator):
             return
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"expect: num_tokens must be an int >= 0 or None, got {num_tokens!r}")
-        if self.reserve == "oracle":
+        if self.reserve == "pow2":
+            num_tokens = 1 << (num_tokens - 1).bit_length() if num_tokens else 0
+        if self.reserve in ("oracle", "pow2"):
             self._expected[seq_id] = num_tokens
 
     def _new_state(self, seq_id: str | None) -> RegionState:

@@ -144,6 +144,16 @@ def test_oracle_reserves_the_expected_slots_and_keeps_the_hint_across_free() -> 
     alloc.check()
 
 
+def test_pow2_reserves_the_hint_rounded_up_to_a_power_of_two_slots() -> None:
+    alloc = ContiguousAllocator(num_blocks=16, block_size=4, reserve="pow2")
+    alloc.expect("a", 17)  # 32 slots: 8 blocks
+    alloc.expect("b", 16)  # already a power of two: 4 blocks
+    alloc.allocate("a", 3)
+    alloc.allocate("b", 3)
+    assert (alloc.held_slots("a"), alloc.held_slots("b")) == (32, 16)
+    alloc.check()
+
+
 def test_oracle_unusable_free_blocks_size_the_region_by_the_hint() -> None:
     alloc = ContiguousAllocator(num_blocks=8, block_size=1, reserve="oracle")
     alloc.allocate("x", 5)  # a free run of 3 is left

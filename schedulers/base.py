@@ -200,10 +200,6 @@ class Scheduler(ABC):
             if seq in queue:
                 queue.remove(seq)
                 break
-        self._forget(seq)
-
-    def _forget(self, seq: Request) -> None:
-        """``seq`` leaves for good: its blocks, host copy, restored KV and hint go."""
         self._release(seq.request_id)
         self.allocator.expect(seq.request_id, None)
         self.host_blocks.pop(seq.request_id, None)

@@ -23,6 +23,10 @@ every allocator: region sizes, buddy rounding, copy-on-write, evictable cache)::
     free(seq) -> int          frees, and says how many blocks it gave back
     held_slots(seq)           slots of the blocks seq holds, region slack included
 
+What the scheduler tells it: ``expect(seq, n)``, the slots a request will hold when it
+finishes (prompt + output), for allocators that reserve ahead (contiguous ``oracle``);
+the others ignore it.
+
 Block states, as ``dump()`` draws them::
 
     X  held, in exactly one block table        .  free
@@ -159,7 +163,7 @@ class BlockAllocator(ABC):
         self._prefix_queries += 1
         self._prefix_query_tokens += len(token_ids)
         if s is None:
-            s = self._seqs[seq_id] = self._State()
+            s = self._seqs[seq_id] = self._new_state(seq_id)
         matched = self._match(s, token_ids)
         self._prefix_hit_tokens += matched
         self._token_slots += matched
@@ -175,7 +179,7 @@ class BlockAllocator(ABC):
         _check_count("num_tokens", num_tokens, 0)
         s = self._seqs.get(seq_id)
         if s is None:
-            return self._need_new(num_tokens, token_ids)
+            return self._need_new(seq_id, num_tokens, token_ids)
         return self._need(s, num_tokens) if num_tokens > s.num_tokens else 0
 
     def can_allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] = ()) -> bool:
@@ -184,7 +188,7 @@ class BlockAllocator(ABC):
         _check_count("num_tokens", num_tokens, 0)
         s = self._seqs.get(seq_id)
         if s is None:
-            return self._fits_new(num_tokens, token_ids)
+            return self._fits_new(seq_id, num_tokens, token_ids)
         return num_tokens <= s.limit or self._fits(s, num_tokens)
 
     def allocate(self, seq_id: str, num_tokens: int) -> Allocation | None:
@@ -205,7 +209,7 @@ class BlockAllocator(ABC):
             _check_count("num_tokens", num_tokens, 0)  # raises, naming the argument
         new = s is None
         if new:
-            s = self._State()
+            s = self._new_state(seq_id)
         elif num_tokens <= s.num_tokens:
             return NO_COPIES
         copies = self._grow(s, num_tokens)
@@ -263,7 +267,7 @@ class BlockAllocator(ABC):
         parent = self._state(parent_id)
         if child_id in self._seqs:
             raise ValueError(f"fork: child {child_id!r} already exists; free it or pick a new id")
-        child = self._State()
+        child = self._new_state(child_id)
         child.num_tokens = parent.num_tokens
         copies = self._fork(parent, child)
         if copies is None:
@@ -272,6 +276,13 @@ class BlockAllocator(ABC):
         self._token_slots += child.num_tokens
         parent.limit, child.limit = self._write_limit(parent), self._write_limit(child)
         return Allocation(tuple(copies)) if copies else NO_COPIES
+
+    def expect(self, seq_id: str, num_tokens: int | None) -> None:  # noqa: B027 (optional)
+        """``seq_id`` will hold ``num_tokens`` slots in all when it finishes (its prompt and
+        output as far as the caller knows); ``None`` forgets it. The hint outlives ``free``
+        (a preempted request comes back with it) until it is forgotten. An allocator that
+        reserves ahead (contiguous ``reserve="oracle"``) sizes a new region of ``seq_id``
+        to it; the others ignore it, as this default does."""
 
     def free(self, seq_id: str) -> int:
         """Release everything ``seq_id`` holds; returns the blocks this gave back to
@@ -305,10 +316,11 @@ class BlockAllocator(ABC):
         ``max_len``, buddy rounding); shared blocks count for each holder."""
         return self._held_count(self._state(seq_id)) * self.block_size
 
-    def unusable_free_blocks(self, num_tokens: int) -> int:
+    def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
         """Free blocks that cannot serve a new sequence of ``num_tokens`` slots: those in
         runs or regions too small for its region (external fragmentation in the vLLM
-        paper's sense). Paged allocators have none."""
+        paper's sense); ``seq_id`` names it, so that its ``expect`` hint sizes the region.
+        Paged allocators have none."""
         return 0
 
     def stats(self) -> AllocatorStats:
@@ -424,13 +436,17 @@ class BlockAllocator(ABC):
     def _fits(self, s: SeqState, new: int) -> bool:
         """``can_allocate`` for a known sequence growing past its write limit."""
 
-    def _need_new(self, num_tokens: int, token_ids: Sequence[int]) -> int:
-        """``blocks_needed`` for a sequence that holds nothing."""
-        return self._need(self._State(), num_tokens)
+    def _new_state(self, seq_id: str | None) -> SeqState:
+        """The state of a sequence not known yet (``None``: one without an id)."""
+        return self._State()
 
-    def _fits_new(self, num_tokens: int, token_ids: Sequence[int]) -> bool:
+    def _need_new(self, seq_id: str, num_tokens: int, token_ids: Sequence[int]) -> int:
+        """``blocks_needed`` for a sequence that holds nothing."""
+        return self._need(self._new_state(seq_id), num_tokens)
+
+    def _fits_new(self, seq_id: str, num_tokens: int, token_ids: Sequence[int]) -> bool:
         """``can_allocate`` for a sequence that holds nothing."""
-        return self._fits(self._State(), num_tokens)
+        return self._fits(self._new_state(seq_id), num_tokens)
 
     def _commit(self, s: SeqState, token_ids: Sequence[int]) -> None:  # noqa: B027 (optional hook)
         """Prefix caches index the newly full blocks; others need nothing."""

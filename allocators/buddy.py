@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 
-from allocators.contiguous import RegionAllocator
+from allocators.contiguous import RegionAllocator, RegionState
 
 
 def _merged(free_at: list[set[int]], start: int, order: int) -> tuple[int, int]:
@@ -62,7 +62,7 @@ class BuddyAllocator(RegionAllocator):
         free.remove(start)
         return start
 
-    def _region_size(self, table_blocks: int) -> int:
+    def _region_size(self, s: RegionState, table_blocks: int) -> int:
         return 1 << (table_blocks - 1).bit_length() if table_blocks else 0
 
     def _order_with_room(self, order: int) -> int | None:
@@ -118,9 +118,9 @@ class BuddyAllocator(RegionAllocator):
             for block in range(start, start + (1 << order))
         }
 
-    def unusable_free_blocks(self, num_tokens: int) -> int:
+    def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
         # Free regions never combine across buddies: only one at least as large can serve.
-        size = self._region_blocks(num_tokens)
+        size = self._region_blocks(num_tokens, seq_id)
         if not size:
             return 0  # an empty sequence needs no region
         order = size.bit_length() - 1

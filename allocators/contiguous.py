@@ -6,7 +6,7 @@ price is external fragmentation: free blocks scattered in runs too short to use.
 growth in place or by relocation, forks by copy); ``ContiguousAllocator`` places
 regions first fit, as CortexStream's linear scan does::
 
-    XXXXrr....XXX.....   seq a: table 0-3, reserved 4-5 (max_len); seq b: 10-12
+    XXXXrr....XXX.....   seq a: table 0-3, reserved 4-5 (max_len, oracle); seq b: 10-12
     grow b by 3 -> 13-15 are free: in place.  grow a by 3 -> relocate to the first
     free run of 9 blocks or fail; copies ((0, dst), (1, dst + 1), ...).
 """
@@ -21,20 +21,21 @@ from allocators.base import BlockAllocator, SeqState, blocks_for
 
 
 class RegionState(SeqState):
-    """A sequence's table is the start of its region ``[start, start + size)``."""
+    """A sequence's table is the start of its region ``[start, start + size)``; ``floor`` is
+    the fewest blocks its region holds once it holds any (a reservation ahead)."""
 
-    __slots__ = ("start", "size")
+    __slots__ = ("start", "size", "floor")
 
     def __init__(self) -> None:
         super().__init__()
-        self.start = self.size = 0
+        self.start = self.size = self.floor = 0
 
 
 class RegionAllocator(BlockAllocator):
     """A sequence's table is the start of a region of consecutive blocks it holds.
 
     Every block of a region carries one reference, table or not. The region's size
-    is always ``_region_size(len(table))``; growing past it extends the region in
+    is always ``_region_size(state, len(table))``; growing past it extends the region in
     place when possible, else moves the written blocks to a new, disjoint region
     and reports them as copies. Subclasses place and release regions.
     """
@@ -43,9 +44,9 @@ class RegionAllocator(BlockAllocator):
 
     # -- placement, written by subclasses ----------------------------------------------
 
-    def _region_size(self, table_blocks: int) -> int:
-        """Blocks to reserve for a table of ``table_blocks`` blocks (0: no region)."""
-        return table_blocks
+    def _region_size(self, s: RegionState, table_blocks: int) -> int:
+        """Blocks to reserve for ``s`` with a table of ``table_blocks`` blocks (0: no region)."""
+        return max(table_blocks, s.floor) if table_blocks else 0
 
     @abstractmethod
     def _can_place(self, size: int) -> bool:
@@ -93,10 +94,10 @@ class RegionAllocator(BlockAllocator):
             self._give_back(start, size)
 
     def _need(self, s: RegionState, new: int) -> int:
-        return max(0, self._region_size(blocks_for(new, self.block_size)) - s.size)
+        return max(0, self._region_size(s, blocks_for(new, self.block_size)) - s.size)
 
     def _fits(self, s: RegionState, new: int) -> bool:
-        new_size = self._region_size(blocks_for(new, self.block_size))
+        new_size = self._region_size(s, blocks_for(new, self.block_size))
         return (
             new_size <= s.size
             or (s.size and self._can_extend(s.start, s.size, new_size))
@@ -106,7 +107,7 @@ class RegionAllocator(BlockAllocator):
     def _grow(self, s: RegionState, new: int) -> list | None:
         need = blocks_for(new, self.block_size)
         table = s.table
-        new_size = self._region_size(need)
+        new_size = self._region_size(s, need)
         if new_size <= s.size:
             table.extend(range(s.start + len(table), s.start + need))
             return []
@@ -137,7 +138,7 @@ class RegionAllocator(BlockAllocator):
         return copies
 
     def _after_trim(self, s: RegionState, dropped: list[int], old: int) -> None:
-        new_size = self._region_size(len(s.table))
+        new_size = self._region_size(s, len(s.table))
         if new_size < s.size:
             self._shrink(s.start, s.size, new_size)
             s.size = new_size
@@ -146,7 +147,7 @@ class RegionAllocator(BlockAllocator):
 
     def _fork(self, parent: RegionState, child: RegionState) -> list | None:
         n = len(parent.table)
-        size = self._region_size(n)
+        size = self._region_size(child, n)
         dst = self._place(size) if size else 0
         if dst is None:
             return None
@@ -171,15 +172,15 @@ class RegionAllocator(BlockAllocator):
     def _needs_copy(self, block: int) -> bool:
         return False  # regions are never shared: a fork copies
 
-    def _region_blocks(self, num_tokens: int) -> int:
-        """The region a new sequence of ``num_tokens`` slots would reserve."""
-        return self._region_size(blocks_for(num_tokens, self.block_size))
+    def _region_blocks(self, num_tokens: int, seq_id: str | None) -> int:
+        """The region a new sequence ``seq_id`` of ``num_tokens`` slots would reserve."""
+        return self._region_size(self._new_state(seq_id), blocks_for(num_tokens, self.block_size))
 
     def _check_placement(self) -> None:
         for seq_id, s in self._seqs.items():
             table = s.table
             assert table == list(range(s.start, s.start + len(table))), f"{seq_id}: not a run"
-            assert s.size == self._region_size(len(table)), f"{seq_id}: region size {s.size}"
+            assert s.size == self._region_size(s, len(table)), f"{seq_id}: region size {s.size}"
 
 
 def _minus(a: tuple[int, int], b: tuple[int, int]) -> list[tuple[int, int]]:
@@ -189,19 +190,25 @@ def _minus(a: tuple[int, int], b: tuple[int, int]) -> list[tuple[int, int]]:
 
 
 class ContiguousAllocator(RegionAllocator):
-    """First-fit contiguous runs; ``reserve="max_len"`` reserves ``max_len`` slots up front
-    (at most the whole arena), as Orca's max-length reservation does."""
+    """First-fit contiguous runs. What a region reserves up front (at most the whole arena),
+    the baselines of the vLLM paper's Fig. 2: ``reserve="exact"`` nothing beyond the table;
+    ``"max_len"`` ``max_len`` slots, as Orca (Max); ``"oracle"`` the slots the sequence will
+    hold when it finishes, its ``expect`` hint, as Orca (Oracle); ``"pow2"`` that hint rounded
+    up to a power of two slots, as Orca (Pow2) (which rounds the output length alone). A
+    sequence without a hint reserves exactly."""
 
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
-        reserve: Literal["exact", "max_len"] = "exact",
+        reserve: Literal["exact", "max_len", "oracle", "pow2"] = "exact",
         max_len: int | None = None,
     ) -> None:
         super().__init__(num_blocks, block_size)
-        if reserve not in ("exact", "max_len"):
-            raise ValueError(f"reserve must be 'exact' or 'max_len', got {reserve!r}")
+        if reserve not in ("exact", "max_len", "oracle", "pow2"):
+            raise ValueError(
+                f"reserve must be 'exact', 'max_len', 'oracle' or 'pow2', got {reserve!r}"
+            )
         if reserve == "max_len" and (
             isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1
         ):
@@ -210,10 +217,26 @@ class ContiguousAllocator(RegionAllocator):
         self._reserve_blocks = (
             min(blocks_for(max_len, block_size), num_blocks) if reserve == "max_len" else 0
         )
+        self._expected: dict[str, int] = {}  # oracle, pow2: seq_id -> slots to reserve
         self._is_free = bytearray(b"\x01" * num_blocks)  # bytes.find scans it at C speed
 
-    def _region_size(self, table_blocks: int) -> int:
-        return max(table_blocks, self._reserve_blocks) if table_blocks else 0
+    def expect(self, seq_id: str, num_tokens: int | None) -> None:
+        if num_tokens is None:
+            self._expected.pop(seq_id, None)
+            return
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"expect: num_tokens must be an int >= 0 or None, got {num_tokens!r}")
+        if self.reserve == "pow2":
+            num_tokens = 1 << (num_tokens - 1).bit_length() if num_tokens else 0
+        if self.reserve in ("oracle", "pow2"):
+            self._expected[seq_id] = num_tokens
+
+    def _new_state(self, seq_id: str | None) -> RegionState:
+        s = RegionState()
+        s.floor = self._reserve_blocks
+        if seq_id in self._expected:
+            s.floor = min(blocks_for(self._expected[seq_id], self.block_size), self.num_blocks)
+        return s
 
     def _can_place(self, size: int) -> bool:
         return self._is_free.find(b"\x01" * size) >= 0
@@ -257,6 +280,6 @@ class ContiguousAllocator(RegionAllocator):
     def _free_blocks(self) -> set[int]:
         return {b for b, free in enumerate(self._is_free) if free}
 
-    def unusable_free_blocks(self, num_tokens: int) -> int:
-        size = self._region_blocks(num_tokens)
+    def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
+        size = self._region_blocks(num_tokens, seq_id)
         return sum(len(run) for run in bytes(self._is_free).split(b"\x00") if len(run) < size)

@@ -178,15 +178,15 @@ class RadixAllocator(FreeListAllocator):
         s.num_tokens = s.limit = len(path) * bs
         return s.num_tokens
 
-    def _need_new(self, num_tokens: int, token_ids: Sequence[int]) -> int:
+    def _need_new(self, seq_id: str, num_tokens: int, token_ids: Sequence[int]) -> int:
         # match_prefix takes the matched blocks nobody holds out of the free count (cached
         # ones), shares the held ones for free; allocate then adds the blocks past the match.
         path = self._path(token_ids)
         cached = sum(self._ref[node.block] == 0 for node in path)
         return cached + max(0, blocks_for(num_tokens, self.block_size) - len(path))
 
-    def _fits_new(self, num_tokens: int, token_ids: Sequence[int]) -> bool:
-        return self._need_new(num_tokens, token_ids) <= self.num_free_blocks()
+    def _fits_new(self, seq_id: str, num_tokens: int, token_ids: Sequence[int]) -> bool:
+        return self._need_new(seq_id, num_tokens, token_ids) <= self.num_free_blocks()
 
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
         s = self._seqs.get(seq_id)

@@ -99,6 +99,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "blocks_used_peak",
     "blocks_used_mean",
     "window_blocks_used_peak",
+    "batch_size_mean",
     "external_fragmentation_mean",
     "kv_sharing_saving",
     "prefix_hit_rate",
@@ -251,7 +252,8 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     Memory (the vLLM paper's breakdown, fractions of ``slots_total``): ``_mean`` weights
     each step by its duration (a time average over the engine's busy time), ``_peak`` is
     the step with the most allocated slots (tokens+future+internal); kv_utilisation =
-    time-weighted tokens / time-weighted allocated; blocks_used_mean and
+    time-weighted tokens / time-weighted allocated; blocks_used_mean, batch_size_mean (the
+    paper's average number of batched requests, its Fig. 13) and
     external_fragmentation_mean are time-weighted too. kv_sharing_saving (the vLLM paper's
     memory saving of parallel sampling and beam search, its section 6.3) = time-weighted
     blocks_shared / time-weighted block_refs: the share of block-table entries that sharing
@@ -310,6 +312,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
         blocks_used_peak=float(st["blocks_used"].max()) if len(st) else math.nan,
         blocks_used_mean=over_time(st["blocks_used"]),
         window_blocks_used_peak=float(st["window_blocks_used"].max()) if len(st) else math.nan,
+        batch_size_mean=over_time(st["batch_size"]),
         external_fragmentation_mean=over_time(st["external_fragmentation"]),
         kv_sharing_saving=_ratio(over_time(st["blocks_shared"]), over_time(st["block_refs"])),
         prefix_hit_rate=_ratio(req["cached_tokens"].sum(), req["prompt_tokens"].sum()),

@@ -173,6 +173,7 @@ class Scheduler(ABC):
         (``SwapIn`` in the same step), and computes only the rest."""
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        self.allocator.expect(seq.request_id, self._final_slots(seq))
         if restored:
             self.restored[seq.request_id] = restored
 
@@ -192,6 +193,7 @@ class Scheduler(ABC):
         engine). Without room, at ``max_num_seqs``, or when the parent holds no blocks (it
         was preempted), the child waits at the head of the line and recomputes."""
         alloc = None
+        self.allocator.expect(child.request_id, self._final_slots(child))
         if parent.status is Status.RUNNING and len(self.running) < self.max_num_seqs:
             alloc = self.allocator.fork(parent.request_id, child.request_id)
         if alloc is None:  # first in line: its request is already in
@@ -220,9 +222,17 @@ class Scheduler(ABC):
                 queue.remove(seq)
                 break
         self._release(seq.request_id)
+        self.allocator.expect(seq.request_id, None)
         self.host_blocks.pop(seq.request_id, None)
         self.restored.pop(seq.request_id, None)
         self.parked.discard(seq)
+
+    def _final_slots(self, seq: Request) -> int:
+        """The KV slots ``seq`` holds when it finishes: its prompt and ``max_tokens`` outputs
+        but the last (sampled, never fed back), at most ``max_seq_len``. Exact in a replay
+        (greedy, EOS ignored); an upper bound where EOS or a stop rule ends it sooner."""
+        prompt = seq.num_tokens - seq.num_output_tokens
+        return min(prompt + seq.params.max_tokens - 1, self.max_seq_len)
 
     def _release(self, request_id: str) -> None:
         self.allocator.free(request_id)
@@ -353,6 +363,7 @@ class Scheduler(ABC):
             if not swapped and (reason := self._never_fits(seq)):
                 self.waiting.remove(seq)
                 self.restored.pop(seq.request_id, None)
+                self.allocator.expect(seq.request_id, None)
                 out.rejected.append((seq, reason))
                 continue
             # Blocks still in the prefix cache come back without a copy (radix). A request
@@ -374,6 +385,7 @@ class Scheduler(ABC):
                     (self.swapped if swapped else self.waiting).remove(seq)
                     self.host_blocks.pop(seq.request_id, None)
                     self.restored.pop(seq.request_id, None)
+                    self.allocator.expect(seq.request_id, None)
                     need = seq.num_computed_tokens if swapped else seq.num_tokens
                     out.rejected.append((seq, f"{need} KV slots do not fit in the empty arena"))
                     continue

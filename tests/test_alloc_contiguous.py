@@ -129,9 +129,56 @@ def test_max_len_beyond_the_arena_reserves_the_arena() -> None:
     alloc.check()
 
 
-@pytest.mark.parametrize("reserve", [{}, {"reserve": "max_len", "max_len": 12}])
+def test_oracle_reserves_the_expected_slots_and_keeps_the_hint_across_free() -> None:
+    alloc = ContiguousAllocator(num_blocks=16, block_size=4, reserve="oracle")
+    alloc.expect("a", 10)  # 3 blocks
+    assert alloc.blocks_needed("a", 1) == 3 and alloc.unusable_free_blocks(1, "a") == 0
+    alloc.allocate("a", 1)
+    alloc.allocate("b", 1)  # no hint: exactly one block
+    assert runs(alloc, "a", "b") == [[0], [3]] and alloc.held_slots("a") == 12
+    assert alloc.allocate("a", 10) is NO_COPIES  # grows into its reservation
+    alloc.free("a")  # preempted: comes back with the same reservation
+    assert alloc.blocks_needed("a", 1) == 3
+    alloc.expect("a", None)  # finished: forgotten
+    assert alloc.blocks_needed("a", 1) == 1
+    alloc.check()
+
+
+def test_pow2_reserves_the_hint_rounded_up_to_a_power_of_two_slots() -> None:
+    alloc = ContiguousAllocator(num_blocks=16, block_size=4, reserve="pow2")
+    alloc.expect("a", 17)  # 32 slots: 8 blocks
+    alloc.expect("b", 16)  # already a power of two: 4 blocks
+    alloc.allocate("a", 3)
+    alloc.allocate("b", 3)
+    assert (alloc.held_slots("a"), alloc.held_slots("b")) == (32, 16)
+    alloc.check()
+
+
+def test_oracle_unusable_free_blocks_size_the_region_by_the_hint() -> None:
+    alloc = ContiguousAllocator(num_blocks=8, block_size=1, reserve="oracle")
+    alloc.allocate("x", 5)  # a free run of 3 is left
+    alloc.expect("c", 4)
+    assert alloc.unusable_free_blocks(1) == 0  # a 1-slot sequence without a hint fits
+    assert alloc.unusable_free_blocks(1, "c") == 3 and not alloc.can_allocate("c", 1)
+
+
+def test_a_fork_reserves_the_childs_own_hint() -> None:
+    alloc = ContiguousAllocator(num_blocks=16, block_size=4, reserve="oracle")
+    alloc.expect("p", 12)
+    alloc.expect("c", 12)
+    alloc.allocate("p", 5)
+    assert alloc.fork("p", "c").copies == ((0, 3), (1, 4))
+    assert alloc.held_slots("c") == 12
+    alloc.check()
+
+
+@pytest.mark.parametrize(
+    "reserve", [{}, {"reserve": "max_len", "max_len": 12}, {"reserve": "oracle"}]
+)
 def test_an_empty_table_holds_no_region(reserve: dict) -> None:
     alloc = ContiguousAllocator(num_blocks=8, block_size=4, **reserve)
+    for seq_id in "abc":
+        alloc.expect(seq_id, 12)
     assert alloc.allocate("a", 0) is NO_COPIES
     assert alloc.held_slots("a") == 0 and alloc.num_free_blocks() == 8
     alloc.allocate("b", 5)

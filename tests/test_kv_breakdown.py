@@ -70,6 +70,19 @@ def test_contiguous_max_len_books_the_reservation_as_future_then_internal(model)
     assert rows == [(3 * (40 + k), 3 * (59 - k), 471, 0) for k in range(60)]
 
 
+def test_contiguous_oracle_reserves_the_true_length_so_only_block_tails_are_waste(model):
+    """Same requests, contiguous reserving the scheduler's expect hint (Orca (Oracle)): each
+    region is sized for the 99 slots the request will fill, 7 blocks (112 slots), up front.
+    At step k: tokens 3 x (40 + k), future 3 x (59 - k), internal 3 x (112 - 99) = 39, all
+    block tail; it never grows or moves."""
+    engine = _engine(model, partial(ContiguousAllocator, reserve="oracle"), num_blocks=64)
+    rows = _run(engine, [_prompt(40, s) for s in (1, 100, 200)], 60)
+    assert rows == [(3 * (40 + k), 3 * (59 - k), 39, 0) for k in range(60)]
+    alloc = engine.scheduler.allocator
+    assert alloc.stats().relocations == 0
+    assert alloc.blocks_needed("r0", 40) == 3  # finished: its hint is forgotten
+
+
 def test_buddy_books_region_rounding_as_future_until_it_is_outgrown(model):
     """Same requests, buddy: 40 tokens need 3 blocks, a region of 4 (64 slots) is taken.
 

@@ -72,8 +72,9 @@ def hand_tables():
     # Steps of 1, 3 and 2 s: means over time weigh them so (per-step means would not).
     steps = [
         _step(0, 10, 20, 5, 5, blocks_used=4, mlx_peak_bytes=100, spec_proposed=4,
-              spec_rejected=1, spec_verifications=1, block_refs=8, blocks_shared=4),
-        _step(1, 30, 10, 10, 0, duration=3.0, blocks_used=6, mlx_peak_bytes=300,
+              spec_rejected=1, spec_verifications=1, block_refs=8, blocks_shared=4,
+              batch_size=4),
+        _step(1, 30, 10, 10, 0, duration=3.0, blocks_used=6, mlx_peak_bytes=300, batch_size=2,
               external_fragmentation=0.5, spec_proposed=8, spec_accepted=6, spec_rejected=1,
               spec_verifications=2, block_refs=6),
         _step(2, 0, 0, 0, 0, duration=2.0, blocks_used=0, mlx_peak_bytes=200),
@@ -111,6 +112,7 @@ def test_hand_built_memory_and_spec(hand_tables):
     assert peak == pytest.approx([0.3, 0.1, 0.1, 0.0, 0.5])
     assert s["kv_utilisation"] == pytest.approx((10 + 3 * 30) / (35 + 3 * 50))
     assert (s["blocks_used_peak"], s["blocks_used_mean"]) == (6, pytest.approx((4 + 18) / 6))
+    assert s["batch_size_mean"] == pytest.approx((4 + 3 * 2) / 6)  # requests batched, over time
     assert s["external_fragmentation_mean"] == pytest.approx(1.5 / 6)
     # Sharing: 4 of 8 table entries shared for 1 s, none of 6 for 3 s (vLLM paper, 6.3).
     assert s["kv_sharing_saving"] == pytest.approx(4 / (8 + 3 * 6))
@@ -260,6 +262,7 @@ def _reference(reqs, steps, clock):
     out["blocks_used_peak"] = max(s["blocks_used"] for s in steps)
     out["blocks_used_mean"] = over_time([s["blocks_used"] for s in steps])
     out["window_blocks_used_peak"] = max(s["window_blocks_used"] for s in steps)
+    out["batch_size_mean"] = over_time([s["batch_size"] for s in steps])
     out["external_fragmentation_mean"] = over_time([s["external_fragmentation"] for s in steps])
     shared, refs = (over_time([s[k] for s in steps]) for k in ("blocks_shared", "block_refs"))
     out["kv_sharing_saving"] = shared / refs if refs > 0 else math.nan

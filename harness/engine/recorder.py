@@ -135,7 +135,7 @@ class Recorder:
         unusable = 0
         if head is not None:
             need = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
-            unusable = alloc.unusable_free_blocks(need)
+            unusable = alloc.unusable_free_blocks(need, head.request_id)
         tables = [alloc.block_table(seq.request_id) for seq in scheduler.running]
         refs = sum(map(len, tables))
         bs = stats.block_size

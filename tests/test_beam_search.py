@@ -57,6 +57,9 @@ def test_top_candidates_are_the_best_raw_logprobs_ties_by_token_id():
     got = top_candidates(logits, 3)
     assert [t for t, _ in got] == [1, 3, 0]
     assert [lp for _, lp in got] == pytest.approx(np.log([0.4, 0.4, 0.1]), abs=1e-6)
+    # A tie at the cut: the lowest ids of the tied tokens make it.
+    tied = np.log(np.array([0.1, 0.4, 0.1, 0.3, 0.1], dtype=np.float32))
+    assert [t for t, _ in top_candidates(tied, 3)] == [1, 3, 0]
 
 
 def _seq(request_id, tokens, cum, num_prompt=2):

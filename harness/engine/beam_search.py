@@ -72,7 +72,9 @@ def top_candidates(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     shifted = row - row.max()
     logprobs = shifted - np.log(np.exp(shifted).sum())
     k = min(k, row.size)
-    top = np.argpartition(-logprobs, k - 1)[:k]
+    kth = np.partition(logprobs, row.size - k)[row.size - k]  # the k-th largest
+    above = np.flatnonzero(logprobs > kth)
+    top = np.concatenate([above, np.flatnonzero(logprobs == kth)[: k - above.size]])
     top = top[np.lexsort((top, -logprobs[top]))]
     return [(int(t), float(logprobs[t])) for t in top]
 

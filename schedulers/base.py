@@ -336,7 +336,7 @@ class Scheduler(ABC):
                 alloc := self.allocator.allocate(seq.request_id, seq.num_computed_tokens + n)
             ) is None:
                 pressure = True
-                parked = [s for s in self.running if s in self.parked]
+                parked = [s for s in self.running if s in self.parked] if self.parked else []
                 victim = parked[-1] if parked else self._victim(queue + [seq])
                 if victim in queue:
                     queue.remove(victim)
@@ -501,7 +501,8 @@ class Scheduler(ABC):
 
     def _incoming(self) -> list[Request]:
         """``_incoming_order`` without the parked sequences."""
-        return [s for s in self._incoming_order() if s not in self.parked]
+        order = self._incoming_order()
+        return [s for s in order if s not in self.parked] if self.parked else order
 
     def _running_order(self) -> list[Request]:
         """Order in which running sequences claim the token budget and blocks."""

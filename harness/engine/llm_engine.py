@@ -632,19 +632,20 @@ class LLMEngine:
             before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
             self._commit(seq, before)
-            if seq.num_computed_tokens == seq.num_tokens and seq.group_id in self._beams:
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            if seq.group_id in self._beams:
                 offering.append((seq, offset))
-                offset += 1
-            elif seq.num_computed_tokens == seq.num_tokens:
+            else:
                 # The prompt is done: n > 1 forks the other completions off it, each
                 # sampling its first token from the same logits.
                 fork = seq.params.n > 1 and len(self._groups[seq.group_id]) == 1
                 for completion in [seq, *self._fork(seq)] if fork else [seq]:
                     to_sample.append(completion)
                     picks.append(offset)
-                offset += 1
+            offset += 1
         verified = self._verify(plan, logits, verifying) if verifying else []
-        candidates = None
+        candidates = []
         if offering:
             rows = mx.array([i for _, i in offering], dtype=mx.int32)
             candidates = np.array(logits[rows].astype(mx.float32))
@@ -658,10 +659,10 @@ class LLMEngine:
         outputs = [self._accept(seq, got, now) for seq, got in verified]
         for seq, pick in zip(to_sample, sampled, strict=True):
             if pick.logprobs is not None:
-                seq.logprobs.append(self._decoded(pick.logprobs))
+                self._add_logprobs(seq, pick.token, pick.logprobs)
             self._append(seq, pick.token, now)
             outputs.append(self._output(seq))
-        for (seq, _), row in zip(offering, candidates if offering else [], strict=True):
+        for (seq, _), row in zip(offering, candidates, strict=True):
             group = self._beams[seq.group_id]
             if group.offer(seq, row):
                 outputs += self._next_beams(group, now)
@@ -830,7 +831,7 @@ class LLMEngine:
         finished = False
         for j, token in enumerate(got.tokens):  # stop conditions drop what follows a stop
             if got.logprobs is not None:
-                seq.logprobs.append(self._decoded(got.logprobs[j]))
+                self._add_logprobs(seq, token, got.logprobs[j])
             if finished := self._append(seq, token, now):
                 break
         if not finished:
@@ -1054,8 +1055,7 @@ class LLMEngine:
         if seq.params.logprobs is not None:
             # Copies: an output the caller holds must not grow with the sequence.
             logprobs = list(seq.logprobs)
-            tokens = seq.output_token_ids
-            cumulative = sum(lp[t].logprob for t, lp in zip(tokens, logprobs, strict=True))
+            cumulative = seq.cumulative_logprob
         return CompletionOutput(
             index=seq.index,
             text=text,
@@ -1065,6 +1065,11 @@ class LLMEngine:
             stop_reason=stop,
             cumulative_logprob=cumulative,
         )
+
+    def _add_logprobs(self, seq: Seq, token: int, logprobs: TokenLogprobs) -> None:
+        """An output token's logprobs, and its share of the cumulative logprob (vLLM's)."""
+        seq.logprobs.append(self._decoded(logprobs))
+        seq.cumulative_logprob += logprobs[token].logprob
 
     def _decoded(self, logprobs: TokenLogprobs) -> TokenLogprobs:
         """``logprobs`` with each token's text (vLLM's ``decoded_token``), if a tokenizer."""

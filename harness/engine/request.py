@@ -45,7 +45,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     spec_proposed: int = 0
     spec_accepted: int = 0
-    cumulative_logprob: float = 0.0  # a beam's (beam search), the sum of its tokens' logprobs
+    cumulative_logprob: float = 0.0  # output logprobs summed (params.logprobs); a beam's
     index: int = 0  # which of the request's SamplingParams.n completions this is
     group_id: str = ""  # the caller's request id (``request_id`` is unique per completion)
     prompt_token_ids: tuple[int, ...] = field(init=False, default=())

@@ -1,7 +1,7 @@
 """The offline optimum of prefix caching (Belady), and the same replay through a real allocator.
 
 Why: an eviction policy's hit rate means little on its own. Two references bound it: the
-trace bound (``harness.traces.max_prefix_hit_rate``, an infinite cache) and, for a finite
+trace bound (``harness.workload.traces.max_prefix_hit_rate``, an infinite cache) and, for a finite
 cache, the best any policy could do knowing the future. This module computes the latter and
 replays real allocators under the identical model, so the three numbers are comparable.
 
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from allocators.base import BlockAllocator, blocks_for
 
 if TYPE_CHECKING:  # kept out at run time: importing harness configures MLX
-    from harness.traces import TraceRequest
+    from harness.workload.traces import TraceRequest
 
 Request = tuple[Sequence[int], Sequence[int]]
 """``(prompt_token_ids, output_token_ids)``: what one request computes, in order."""

@@ -1,5 +1,6 @@
-"""kvbench package: importing it first switches MLX's Linux CPU BLAS to MKL (see harness.blas)."""
+"""kvbench package: importing it first switches MLX's Linux CPU BLAS to MKL (see
+harness.platform.blas)."""
 
-from harness import blas
+from harness.platform import blas
 
 blas.configure()

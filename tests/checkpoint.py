@@ -20,7 +20,7 @@ from reference import mlx_lm_tokens
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from harness.models import random_model
+from harness.platform.models import random_model
 
 PROMPT = "the ship of"
 EOS_AT = 10

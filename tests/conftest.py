@@ -13,8 +13,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import harness  # noqa: F401  (switches MLX to MKL before a test module imports mlx)
-from harness.models import LoadedModel, random_model
-from harness.run import CONFIG_DIR
+from harness.cli.run import CONFIG_DIR
+from harness.platform.models import LoadedModel, random_model
 
 ROOT = Path(__file__).resolve().parent.parent  # this checkout
 
@@ -41,11 +41,11 @@ def compose_cfg() -> Callable[..., DictConfig]:
 
 
 def run_kvbench(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m harness.run *args`` in a subprocess (a fresh Hydra, as from a shell), on
+    """``python -m harness.cli.run *args`` in a subprocess (a fresh Hydra, as from a shell), on
     this checkout's code (not only the installed one: a git worktree tests its own)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "harness.run", *args],
+        [sys.executable, "-m", "harness.cli.run", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from harness.models import LoadedModel
+from harness.platform.models import LoadedModel
 
 
 def mlx_lm_tokens(model: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:

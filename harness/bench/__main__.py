@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import harness.bench
-from harness import machine
+from harness.platform import machine
 
 PROG = "python -m harness.bench"
 

@@ -44,11 +44,11 @@ from hydra import compose, initialize_config_dir
 from mlx_lm.generate import BatchGenerator
 from omegaconf import DictConfig
 
+from harness.analysis.metrics import steps_frame
+from harness.cli.replay import replay
+from harness.cli.run import _build, warm_up
 from harness.engine import LLMEngine
-from harness.metrics import steps_frame
-from harness.replay import replay
-from harness.run import _build, warm_up
-from harness.traces import Trace
+from harness.workload.traces import Trace
 
 FIELDS = ("allocated", "tokens", "peak_allocated", "active", "tokens_per_s")
 CONF = Path(__file__).resolve().parents[2] / "conf"

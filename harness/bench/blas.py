@@ -3,11 +3,11 @@
 ``python -m harness.bench blas [--trials 5]``
 
 Each configuration runs in its own subprocess, because the BLAS MLX binds to is fixed
-when ``mlx.core`` is imported (see harness.blas): ``KVBENCH_BLAS=reference`` vs the
+when ``mlx.core`` is imported (see harness.platform.blas): ``KVBENCH_BLAS=reference`` vs the
 default (MKL when installed), plus numpy as a reference point. The subprocesses run one
 after another so their BLAS thread pools never compete for the cores. Each size gets
 one warm-up product, then the median of ``--trials`` timed ones. The row labels come
-from ``harness.blas.info()`` in each worker, i.e. what MLX actually bound to.
+from ``harness.platform.blas.info()`` in each worker, i.e. what MLX actually bound to.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _worker_mlx(trials: int) -> dict[str, Any]:
     # harness/__init__.py has already configured the BLAS before this import of mlx.
     import mlx.core as mx
 
-    from harness import blas
+    from harness.platform import blas
 
     mx.set_default_device(mx.cpu)  # the CPU BLAS is what is measured, also on macOS
     mx.random.seed(0)

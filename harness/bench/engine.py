@@ -31,11 +31,11 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness import blas
-from harness.distributions import LogNormal
 from harness.engine import LLMEngine
 from harness.engine.sampling import SamplingParams
-from harness.models import LoadedModel, random_model
+from harness.platform import blas
+from harness.platform.models import LoadedModel, random_model
+from harness.workload.distributions import LogNormal
 from schedulers.fcfs import FCFSScheduler
 
 ALLOCATORS = {

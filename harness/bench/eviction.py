@@ -2,7 +2,7 @@
 
 ``python -m harness.bench eviction [--seed 0] [--block-size 16] [--fractions 0.25,0.5,1]``
 
-Two seeded traces from ``harness.workloads`` (shared system prompts; multi-turn chats) are
+Two seeded traces from ``harness.workload.generators`` (shared system prompts; multi-turn chats) are
 replayed one request at a time, in arrival order, through ``RadixAllocator`` with each
 eviction policy, and through Belady's offline optimum under the same model
 (``allocators.offline``: outputs are fresh ids, so only prompts are reusable). Running one
@@ -40,9 +40,9 @@ from allocators.offline import (
     trace_requests,
 )
 from allocators.radix import RadixAllocator
-from harness.distributions import Poisson, Uniform
-from harness.traces import Trace, max_prefix_hit_rate
-from harness.workloads import multi_turn, shared_prefix
+from harness.workload.distributions import Poisson, Uniform
+from harness.workload.generators import multi_turn, shared_prefix
+from harness.workload.traces import Trace, max_prefix_hit_rate
 
 POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru")
 BELADY, BOUND = "belady (offline optimum)", "trace bound (infinite cache)"

@@ -22,7 +22,7 @@ import numpy as np
 
 from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
-from harness.models import LoadedModel, random_model
+from harness.platform.models import LoadedModel, random_model
 
 BLOCK_SIZE = 16
 

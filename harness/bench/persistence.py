@@ -30,7 +30,7 @@ import numpy as np
 from allocators.free_list import FreeListAllocator
 from harness.engine import LLMEngine, persistence
 from harness.engine.sampling import SamplingParams
-from harness.models import LoadedModel, random_model
+from harness.platform.models import LoadedModel, random_model
 from schedulers.fcfs import FCFSScheduler
 
 BLOCK_SIZE = 16

@@ -43,7 +43,7 @@ from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import LLMEngine
 from harness.engine.sampling import SamplingParams
-from harness.models import LoadedModel, random_model
+from harness.platform.models import LoadedModel, random_model
 from schedulers.priority import PriorityScheduler
 
 ALLOCATORS = {

@@ -30,7 +30,7 @@ from allocators.radix import RadixAllocator
 from harness.engine import LLMEngine
 from harness.engine.sampling import SamplingParams
 from harness.engine.window import ring_blocks
-from harness.models import LoadedModel, random_model
+from harness.platform.models import LoadedModel, random_model
 from schedulers.fcfs import FCFSScheduler
 
 ALLOCATORS = {

@@ -38,7 +38,7 @@ from allocators.free_list import FreeListAllocator
 from harness.engine import LLMEngine
 from harness.engine.sampling import SamplingParams
 from harness.engine.speculative import Speculation, random_draft
-from harness.models import LoadedModel, noisy_copy, random_model
+from harness.platform.models import LoadedModel, noisy_copy, random_model
 from schedulers.fcfs import FCFSScheduler
 
 PROMPT_LEN = 16

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from harness.models import LoadedModel
+from harness.platform.models import LoadedModel
 
 
 class KVArena:

@@ -56,7 +56,7 @@ from harness.engine.speculative import (
     verify,
 )
 from harness.engine.window import WindowGroup
-from harness.models import LoadedModel
+from harness.platform.models import LoadedModel
 from schedulers.base import Scheduled, Scheduler, SchedulerOutput
 from schedulers.request import Status
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from harness.engine.kv_cache import BatchLayout, HostBlocks, KVArena, PagedKVCache
 from harness.engine.window import WindowGroup, WindowKVCache, WindowLayout
-from harness.models import LoadedModel
+from harness.platform.models import LoadedModel
 
 
 @dataclass(frozen=True)

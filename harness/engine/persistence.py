@@ -37,7 +37,7 @@ from mlx.utils import tree_flatten
 
 from allocators.base import blocks_for
 from harness.engine.kv_cache import RAW_BITS, HostBlocks
-from harness.models import LoadedModel
+from harness.platform.models import LoadedModel
 
 FORMAT = "kvbench-kv/1"
 SAMPLES_PER_TENSOR = 1024  # weight elements hashed per tensor for the fingerprint

@@ -1,6 +1,6 @@
 """Records what the engine did: one row per step and one row per finished request.
 
-Column names are those of ``harness.metrics`` (REQUEST_COLUMNS, STEP_COLUMNS); the summary
+Column names are those of ``harness.analysis.metrics`` (REQUEST_COLUMNS, STEP_COLUMNS); the summary
 is computed from these rows alone, so every figure in it can be recomputed from the tables.
 
 The KV breakdown of a step (the vLLM paper's Fig. 2) is the arena as the step leaves it:

@@ -43,7 +43,7 @@ from harness.engine.sampling import (
     logprob_dict,
     logprob_values,
 )
-from harness.models import LoadedModel, random_model
+from harness.platform.models import LoadedModel, random_model
 
 # The sampler's view of a sequence with some draft tokens appended (the engine's _sample_row).
 RowFor = Callable[[Seq, Sequence[int]], SampleRow]

@@ -35,7 +35,7 @@ import numpy as np
 
 from allocators.base import BlockAllocator
 from harness.engine.kv_cache import HostBlocks, KVArena
-from harness.models import LoadedModel
+from harness.platform.models import LoadedModel
 
 
 def ring_blocks(window: int, block_size: int) -> int:

@@ -1,0 +1,239 @@
+"""Finished runs side by side: one row per run, labelled by the overrides that differ between
+them, a column per key figure. Printed at the end of every multirun (``CompareCallback``,
+registered in conf/config.yaml) and by ``kvbench-compare`` for any results folder:
+
+    kvbench-compare results/default/multiruns/<sweep_id>     a sweep
+    kvbench-compare results/ --markdown                       every run, as a Markdown table
+    kvbench-compare results/prefix_caching --csv > runs.csv   unrounded, with each run's folder
+
+Figures are read from the runs' summary.json files (``harness.analysis.results.load``), so
+jobs that ran in other processes or on other machines count as long as their folders are
+under the path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from harness.analysis import results
+
+PROG = "kvbench-compare"
+
+
+@dataclass(frozen=True)
+class Column:
+    """A summary.json figure (``key``, defined in docs/results.md) shown as ``name`` in
+    ``unit``: the summary's value times ``scale``, printed with ``digits`` decimals."""
+
+    key: str
+    name: str
+    unit: str
+    scale: float = 1.0
+    digits: int = 0
+
+    @property
+    def header(self) -> str:
+        return f"{self.name} ({self.unit})"
+
+
+COLUMNS = (
+    Column("completed", "done", "req"),
+    Column("request_throughput", "thruput", "req/s", digits=2),
+    Column("output_throughput", "output", "tok/s", digits=1),
+    Column("ttft_p50", "TTFT p50", "ms", 1e3, 1),
+    Column("ttft_p99", "TTFT p99", "ms", 1e3, 1),
+    Column("tpot_p50", "TPOT p50", "ms", 1e3, 1),
+    Column("itl_p99", "ITL p99", "ms", 1e3, 1),
+    Column("goodput", "goodput", "req/s", digits=2),
+    Column("kv_tokens_frac_mean", "KV tokens", "%", 100, 1),
+    Column("kv_utilisation", "KV util", "%", 100, 1),
+    Column("preemptions", "preempt", "count"),
+    Column("prefix_hit_rate", "prefix hit", "%", 100, 1),
+)
+RUN = "run"  # the label column
+
+
+class CompareError(Exception):
+    """The folder to compare does not exist or is not a folder."""
+
+
+def table(path: str | Path) -> pd.DataFrame:
+    """Every finished run under ``path``, one row each: ``run`` (its label), a column per
+    ``COLUMNS`` entry named by its header and holding the figure in that unit (NaN where the
+    summary has none), ``clock`` and ``run_dir``. Empty when no run under ``path`` has finished.
+
+    A label is the run's overrides whose text differs between the runs (a key a run does not
+    override differs too), in the order given on its command line; a label shared by several
+    runs gets the run's folder, relative to ``path``, after it, and a run with no such
+    override is labelled by its folder. Rows are ordered by those overrides' values (numbers
+    as numbers), then by folder.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CompareError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CompareError(f"{path} is not a folder")
+    runs = results.load(path)
+    if runs.empty:
+        return pd.DataFrame(columns=[RUN, *_headers(), "clock", "run_dir"])
+    items = {d: results.override_items(d) for d in runs["run_dir"]}
+    keys: list[str] = []  # every overridden key, first seen first
+    for its in items.values():
+        keys += [k for k in map(results.override_key, its) if k not in keys]
+    varying = [k for k in keys if len({_value_text(its, k) for its in items.values()}) > 1]
+    labels = {
+        d: ",".join(i for i in its if results.override_key(i) in varying)
+        for d, its in items.items()
+    }
+    shared = {lab for lab in labels.values() if list(labels.values()).count(lab) > 1}
+    for d, lab in labels.items():
+        folder = Path(d).relative_to(path).as_posix()
+        if not lab:
+            labels[d] = folder
+        elif lab in shared:
+            labels[d] = f"{lab} @ {folder}"
+    out = pd.DataFrame({RUN: [labels[d] for d in runs["run_dir"]]})
+    for c in COLUMNS:
+        values = runs[c.key] if c.key in runs else pd.Series(math.nan, index=runs.index)
+        out[c.header] = values.astype(float) * c.scale
+    out["clock"] = runs["clock"]
+    out["run_dir"] = runs["run_dir"]
+    order = sorted(out.index, key=lambda i: (_sort_key(items[out.run_dir[i]], varying), i))
+    return out.loc[order].reset_index(drop=True)
+
+
+def _value_text(items: list[str], key: str) -> str | None:
+    """What the run's overrides set ``key`` to, as written (None: not overridden)."""
+    for item in items:
+        if results.override_key(item) == key:
+            return item.partition("=")[2]
+    return None
+
+
+def _sort_key(items: list[str], keys: list[str]) -> tuple:
+    out = []
+    for key in keys:
+        text = _value_text(items, key)
+        value = yaml.safe_load(text) if text else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append((0, value, ""))
+        else:
+            out.append((1, 0, "" if text is None else text))
+    return tuple(out)
+
+
+def _cell(value: float, column: Column) -> str:
+    return "n/a" if math.isnan(value) else f"{value:,.{column.digits}f}"
+
+
+def _notes(frame: pd.DataFrame) -> str:
+    """Where each column comes from: summary.json keys, defined in docs/results.md."""
+    keys = ", ".join(c.key for c in COLUMNS)
+    clocks = sorted(set(frame["clock"]))
+    return textwrap.fill(
+        f"Columns are summary.json's {keys} (definitions: docs/results.md); latencies on the "
+        f"{' and '.join(clocks)} clock.",
+        width=100,
+    )
+
+
+def format_text(frame: pd.DataFrame, path: str | Path) -> str:
+    """The table for a terminal: the folder, a two-line header (figure, unit), one line per
+    run, and a note naming each column's summary key."""
+    n = len(frame)
+    rows = [[c.name for c in COLUMNS], [c.unit for c in COLUMNS]]
+    for values in frame[_headers()].values:
+        rows.append([_cell(v, c) for v, c in zip(values, COLUMNS, strict=True)])
+    labels = [RUN, "", *frame[RUN]]
+    width = max(len(s) for s in labels)
+    widths = [max(len(r[j]) for r in rows) for j in range(len(COLUMNS))]
+    lines = [f"{n} finished run{'s' if n != 1 else ''} in {path}"]
+    for label, row in zip(labels, rows, strict=True):
+        cells = "  ".join(f"{s:>{w}}" for s, w in zip(row, widths, strict=True))
+        lines.append(f"{label:<{width}}  {cells}")
+    return "\n".join([*lines, _notes(frame)])
+
+
+def format_markdown(frame: pd.DataFrame, path: str | Path) -> str:
+    """The table as GitHub Markdown, headers ``figure (unit)``, then the folder and the note."""
+    headers = [RUN, *_headers()]
+    lines = ["| " + " | ".join(headers) + " |", "|---" + "|---:" * len(COLUMNS) + "|"]
+    for row in frame[headers].values:
+        label = str(row[0]).replace("|", "\\|")
+        cells = [_cell(v, c) for v, c in zip(row[1:], COLUMNS, strict=True)]
+        lines.append("| " + " | ".join([f"`{label}`", *cells]) + " |")
+    return "\n".join([*lines, "", f"Runs in `{path}`. {_notes(frame)}"])
+
+
+def format_csv(frame: pd.DataFrame) -> str:
+    """The table as CSV: full precision in each column's unit, empty where not applicable,
+    and each run's folder."""
+    counts = {c.header: "Int64" for c in COLUMNS if c.digits == 0 and c.scale == 1}
+    return frame.astype(counts).to_csv(index=False)
+
+
+def _headers() -> list[str]:
+    return [c.header for c in COLUMNS]
+
+
+class CompareCallback(Callback):
+    """Hydra callback (``hydra.callbacks`` in conf/config.yaml): when a multirun ends, print
+    its jobs side by side, read from the sweep folder (so any launcher works)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        frame = table(sweep_dir)
+        if frame.empty:
+            print(f"no finished run in {sweep_dir}")
+        else:
+            print(format_text(frame, sweep_dir))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``kvbench-compare`` console script."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Print the finished runs under a results folder side by side.",
+    )
+    parser.add_argument(
+        "path",
+        metavar="DIR",
+        help="a sweep folder, an experiment folder, results/, or any folder holding runs",
+    )
+    form = parser.add_mutually_exclusive_group()
+    form.add_argument("--csv", action="store_true", help="CSV, unrounded, with each run's folder")
+    form.add_argument("--markdown", action="store_true", help="a GitHub Markdown table")
+    args = parser.parse_args(argv)
+    try:
+        frame = table(args.path)
+    except CompareError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if frame.empty:
+        print(
+            f"{PROG}: no finished run in {args.path} (a run is finished once its folder holds "
+            "summary.json)",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+    if args.csv:
+        print(format_csv(frame), end="")
+    elif args.markdown:
+        print(format_markdown(frame, args.path))
+    else:
+        print(format_text(frame, args.path))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""A run's files and how to read many of them back.
+
+Every run folder (Hydra makes it: ``results/<experiment>/runs/<time>_<hex>`` or
+``results/<experiment>/multiruns/<sweep_id>/<overrides>``) holds ``.hydra/`` (the resolved
+config and the overrides), ``requests.parquet``, ``steps.parquet``, ``vllm_bench.json`` (the
+summary under ``vllm bench serve``'s names, harness.analysis.vllm_bench) and ``summary.json``.
+Files are written to a temporary name and renamed (``os.replace``), so a reader never sees
+a half-written file, and ``summary.json`` is written last: a folder with it is a finished run.
+A run that fails writes ``failed.txt`` (the error) instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from harness.analysis.metrics import requests_frame, steps_frame
+from harness.analysis.vllm_bench import vllm_summary
+
+SUMMARY_FILE = "summary.json"
+REQUESTS_FILE = "requests.parquet"
+STEPS_FILE = "steps.parquet"
+FAILED_FILE = "failed.txt"
+VLLM_BENCH_FILE = "vllm_bench.json"
+
+
+def _atomic(path: Path, write: Callable[[str], None]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; results are read by others, like .hydra/
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_tables(run_dir: str | os.PathLike, requests: pd.DataFrame, steps: pd.DataFrame) -> None:
+    """Write the per-request and per-step tables atomically."""
+    run_dir = Path(run_dir)
+    _atomic(run_dir / REQUESTS_FILE, lambda tmp: requests.to_parquet(tmp, index=False))
+    _atomic(run_dir / STEPS_FILE, lambda tmp: steps.to_parquet(tmp, index=False))
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    # NaN as null and infinity as "inf" (vLLM's offline request_rate): any JSON reader takes it
+    text = json.dumps(_plain(obj), indent=2, allow_nan=False) + "\n"
+    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def write_vllm_bench(run_dir: str | os.PathLike, summary: dict[str, Any]) -> None:
+    """Write ``vllm_bench.json``: ``summary`` under ``vllm bench serve``'s result keys and
+    units (``harness.analysis.vllm_bench.vllm_summary``). Written before summary.json."""
+    _write_json(Path(run_dir) / VLLM_BENCH_FILE, vllm_summary(summary))
+
+
+def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> None:
+    """Write ``summary.json`` atomically (NaN as null); a failure mark left by an earlier
+    attempt in the same folder goes."""
+    _write_json(Path(run_dir) / SUMMARY_FILE, summary)
+    (Path(run_dir) / FAILED_FILE).unlink(missing_ok=True)
+
+
+def write_failure(run_dir: str | os.PathLike, error: BaseException) -> None:
+    """Mark a run folder as failed: ``failed.txt`` holds the error; no summary.json."""
+    text = f"{type(error).__name__}: {error}\n"
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    _atomic(Path(run_dir) / FAILED_FILE, lambda tmp: Path(tmp).write_text(text))
+
+
+def read_summary(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The run's summary, or None if it has not finished (no summary.json)."""
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.exists():
+        return None
+    return {k: math.nan if v is None else v for k, v in json.loads(path.read_text()).items()}
+
+
+def load_tables(run_dir: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """One run's (requests, steps) tables, validated against the metrics schemas."""
+    run_dir = Path(run_dir)
+    requests = requests_frame(pd.read_parquet(run_dir / REQUESTS_FILE))
+    steps = steps_frame(pd.read_parquet(run_dir / STEPS_FILE))
+    return requests, steps
+
+
+def override_items(run_dir: str | os.PathLike) -> list[str]:
+    """The run's command-line overrides as written (``["allocator=radix", "trace.rate=2"]``),
+    from ``.hydra/overrides.yaml``."""
+    path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    if path.exists():
+        return [str(item) for item in yaml.safe_load(path.read_text()) or []]
+    # a run made by harness.cli.run.run() without Hydra: the summary keeps them
+    return list((read_summary(run_dir) or {}).get("overrides", []))
+
+
+def override_key(item: str) -> str:
+    """The config key an override sets: ``+engine.seed=3`` -> ``engine.seed``."""
+    return item.partition("=")[0].lstrip("+~")
+
+
+def overrides(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run's command-line overrides as {key: value}, values parsed as YAML."""
+    out = {}
+    for item in override_items(run_dir):
+        value = item.partition("=")[2]
+        out[override_key(item)] = yaml.safe_load(value) if value else None
+    return out
+
+
+def load(path: str | os.PathLike) -> pd.DataFrame:
+    """Every finished run under ``path``: one row per run, sorted by folder.
+
+    Columns: ``run_dir``; the config group options chosen (``model``, ``allocator``, ...);
+    the overrides (e.g. ``trace.rate``); then the summary's scalar figures. Nested records
+    (``machine``, ``trace_metadata``) stay in summary.json; ``load_tables(row.run_dir)``
+    gives a run's request and step tables.
+    """
+    rows = []
+    for summary_path in sorted(Path(path).rglob(SUMMARY_FILE)):
+        run_dir = summary_path.parent
+        summary = read_summary(run_dir) or {}
+        row: dict[str, Any] = {"run_dir": str(run_dir)}
+        row.update(summary.get("choices", {}))
+        row.update(overrides(run_dir))
+        row.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, float) and math.isinf(obj):
+        return "inf" if obj > 0 else "-inf"
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj

@@ -1,0 +1,425 @@
+"""``kvbench-regress``: a fixed small suite whose figures do not move with the machine's speed,
+compared with the baseline committed for this platform (``results/baselines/<platform>.json``).
+
+    kvbench-regress                        run, write results/regress/<run id>/regress.json, compare
+    kvbench-regress --update-baseline      the same, then make this run's figures the baseline
+    kvbench-regress --only engine,padding  some groups of figures (the others are not compared)
+
+Each figure is a ratio of two things timed side by side in this process, or a count no timing
+changes, so a slower or busier machine moves it little while a slower engine, allocator or a
+padded batch moves it a lot. Every timed comparison runs ``--rounds`` times, interleaved:
+
+    engine.uniform, engine.mixed   BatchGenerator seconds / LLMEngine seconds for the same
+                                   requests (bench engine's uniform and mixed workloads, tiny
+                                   model, free list), the fastest round of each
+    engine.outside_forward         share of the engine's decode step time outside the model
+                                   forward (uniform workload, median over rounds)
+    allocators.<variant>           the allocator's calls/s on bench allocators' replay / calls/s
+                                   of a fixed reference call (one block id moved between two
+                                   lists) timed alike just before and after it; median
+    padding.prefill, padding.decode   bench padding's mixed batch / sum of its parts (medians)
+    sweep.ttft_p50, sweep.throughput  radix / free list, kvbench runs on a shared-prefix batch
+                                   (16 requests at t=0, FCFS): TTFT p50 and total token
+                                   throughput, the best round of each
+    sweep.prefix_hit_rate          the radix run's prefix hit rate (no timing in it)
+
+A figure regresses when it is worse than its baseline by more than its relative tolerance
+(``FIGURES``, set above the spread measured over repeated runs: docs/design.md section 11).
+Exit status: 0 no regression, or no baseline for this platform yet (the figures are written;
+``--update-baseline`` starts one); 1 some figure regressed (each named on stderr with its
+value, baseline and limit); 2 wrong input (a malformed baseline, an unknown group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from hydra import compose, initialize_config_dir
+
+from allocators.free_list import FreeListAllocator
+from harness.analysis import compare
+from harness.bench import allocators as bench_allocators
+from harness.bench import engine as bench_engine
+from harness.bench import padding as bench_padding
+from harness.cli.run import CONFIG_DIR, run, run_id
+from harness.platform import machine
+from harness.platform.models import LoadedModel, random_model
+
+PROG = "kvbench-regress"
+FILE = "regress.json"
+BASELINES = Path("results/baselines")
+
+ROUNDS = 5  # interleaved repeats of each timed comparison (--rounds)
+BLOCK_SIZE = 16
+UNIFORM = {"batch": 8, "prompt": 64, "new": 32}
+MIXED = {"requests": 8, "batch": 8}
+ALLOCATOR_SEQUENCES = 500  # bench allocators' trace, smaller (its defaults otherwise)
+REFERENCE_CALLS = 100_000
+SWEEP = (
+    "trace=shared_prefix",
+    "trace.num_system_prompts=2",
+    "trace.users_per_prompt=8",
+    "trace.rate=inf",  # every request at t=0: the schedule does not depend on timings
+    "trace.generator.output_len.low=8",
+    "trace.generator.output_len.high=24",
+    "engine.num_blocks=512",
+    "progress=false",
+)
+SWEEP_POLICIES = ("allocator=free_list", "allocator=radix")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure of the suite: which way is better, and how much worse than the baseline
+    (relative) still counts as noise."""
+
+    name: str
+    group: str
+    better: Literal["higher", "lower"]
+    tolerance: float
+
+    def limit(self, baseline: float) -> float:
+        """The worst value that still passes against ``baseline``."""
+        if self.better == "higher":
+            return baseline * (1 - self.tolerance)
+        return baseline * (1 + self.tolerance)
+
+    def regressed(self, value: float, baseline: float) -> bool:
+        limit = self.limit(baseline)
+        return value < limit if self.better == "higher" else value > limit
+
+
+_VARIANTS = [v.name for v in bench_allocators.variants(max_len=0)]
+FIGURES = {
+    f.name: f
+    for f in (
+        Figure("engine.uniform", "engine", "higher", 0.35),
+        Figure("engine.mixed", "engine", "higher", 0.35),
+        Figure("engine.outside_forward", "engine", "lower", 0.6),
+        *(Figure(f"allocators.{name}", "allocators", "higher", 0.4) for name in _VARIANTS),
+        Figure("padding.prefill", "padding", "lower", 2.0),
+        Figure("padding.decode", "padding", "lower", 2.0),
+        Figure("sweep.ttft_p50", "sweep", "lower", 0.35),
+        Figure("sweep.throughput", "sweep", "higher", 0.35),
+        Figure("sweep.prefix_hit_rate", "sweep", "higher", 0.02),
+    )
+}
+GROUPS = tuple(dict.fromkeys(f.group for f in FIGURES.values()))
+
+
+class BaselineError(ValueError):
+    """The baseline file is not what ``--update-baseline`` writes."""
+
+
+def platform_name() -> str:
+    """``linux-x86_64``, ``darwin-arm64``, ...: baselines are per platform."""
+    return f"{sys.platform}-{platform.machine().lower()}"
+
+
+# -- the suite -------------------------------------------------------------------------------
+def engine_figures(loaded: LoadedModel, rounds: int) -> dict[str, float]:
+    """BatchGenerator / LLMEngine seconds on bench engine's uniform and mixed workloads, and
+    the engine's share of decode step time outside the forward."""
+    rng = np.random.default_rng(0)
+    uniform = [
+        rng.integers(1, loaded.vocab_size, UNIFORM["prompt"]).tolist()
+        for _ in range(UNIFORM["batch"])
+    ]
+    workloads = {
+        "uniform": (uniform, [UNIFORM["new"]] * UNIFORM["batch"], UNIFORM["batch"]),
+        "mixed": (
+            *bench_engine.mixed_workload(loaded.vocab_size, MIXED["requests"], seed=0),
+            MIXED["batch"],
+        ),
+    }
+    warm = [rng.integers(1, loaded.vocab_size, 16).tolist()]
+    bench_engine.run_batch_generator(loaded, warm, [4], 1)
+    bench_engine.run_engine(loaded, FreeListAllocator, warm, [4], 1, BLOCK_SIZE)
+    seconds: dict[tuple[str, str], list[float]] = {}
+    outside = []
+    for _ in range(rounds):
+        for name, (prompts, new, batch) in workloads.items():
+            first, rest, _ = bench_engine.run_batch_generator(loaded, prompts, new, batch)
+            seconds.setdefault((name, "bg"), []).append(first + rest)
+            first, rest, share = bench_engine.run_engine(
+                loaded, FreeListAllocator, prompts, new, batch, BLOCK_SIZE
+            )
+            seconds.setdefault((name, "engine"), []).append(first + rest)
+            if name == "uniform":
+                outside.append(share)
+    # The fastest run of each: load from other processes only ever adds time.
+    figures = {
+        f"engine.{name}": min(seconds[name, "bg"]) / min(seconds[name, "engine"])
+        for name in workloads
+    }
+    figures["engine.outside_forward"] = statistics.median(outside)
+    return figures
+
+
+class _Reference:
+    """The least an allocator call does: move one block id between a free list and a table."""
+
+    def __init__(self) -> None:
+        self.free, self.table = list(range(1024)), []
+
+    def grow(self, seq: str) -> None:
+        self.table.append(self.free.pop())
+
+    def shrink(self, seq: str) -> None:
+        self.free.append(self.table.pop())
+
+
+def reference_calls_per_second(calls: int = REFERENCE_CALLS) -> float:
+    """Calls/s of ``_Reference``'s methods, each timed as bench allocators' replay times an
+    allocator call (``perf_counter_ns`` around it)."""
+    ref, clock, spent = _Reference(), time.perf_counter_ns, 0
+    for _ in range(calls // 2):
+        for fn in (ref.grow, ref.shrink):
+            start = clock()
+            fn("0")
+            spent += clock() - start
+    return calls / (spent * 1e-9)
+
+
+def allocator_figures(rounds: int) -> dict[str, float]:
+    """Each allocator's calls/s on bench allocators' replay over the reference's calls/s
+    timed just before and just after it (so both see the same load), median over rounds."""
+    a = bench_allocators
+    trace = a.make_trace(ALLOCATOR_SEQUENCES, seed=0, concurrency=64)
+    max_len = a.SYSTEM_LEN + a.MAX_PROMPT + a.MAX_OUTPUT
+    ratios: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for variant in a.variants(max_len):
+            before = reference_calls_per_second()
+            r = a.replay(variant, trace, num_blocks=2048, block_size=BLOCK_SIZE)
+            reference = (before + reference_calls_per_second()) / 2
+            ratios.setdefault(variant.name, []).append(r.ops / r.seconds / reference)
+    return {f"allocators.{name}": statistics.median(x) for name, x in ratios.items()}
+
+
+def padding_figures(loaded: LoadedModel, rounds: int) -> dict[str, float]:
+    """bench padding's mixed / (sum of the parts) per case, medians of ``rounds`` forwards."""
+    return {
+        f"padding.{case}": mixed / (part_a + part_b)
+        for case, (part_a, part_b, mixed) in bench_padding.measure(loaded, rounds).items()
+    }
+
+
+def sweep_figures(out: Path, rounds: int) -> dict[str, float]:
+    """Radix against the free list on one shared-prefix batch: ``rounds`` interleaved kvbench
+    runs of each (warm-up included, written under ``out/round<r>/<policy>``), the best kept."""
+    ttft: dict[str, list[float]] = {}
+    throughput: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for policy in SWEEP_POLICIES:
+            with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name=PROG):
+                cfg = compose(config_name="config", overrides=[*SWEEP, policy])
+            summary = run(cfg, out / f"round{r}" / policy, overrides=[policy])
+            ttft.setdefault(policy, []).append(summary["ttft_p50"])
+            throughput.setdefault(policy, []).append(summary["total_token_throughput"])
+    print(compare.format_text(compare.table(out), out))
+    base, radix = SWEEP_POLICIES
+    return {
+        "sweep.ttft_p50": min(ttft[radix]) / min(ttft[base]),
+        "sweep.throughput": max(throughput[radix]) / max(throughput[base]),
+        "sweep.prefix_hit_rate": summary["prefix_hit_rate"],
+    }
+
+
+def measure(groups: tuple[str, ...], out: Path, rounds: int = ROUNDS) -> dict[str, float]:
+    """The figures of ``groups``, in ``FIGURES`` order; the sweep's runs go under ``out``."""
+    loaded = random_model("llama", "tiny", seed=0) if {"engine", "padding"} & set(groups) else None
+    steps: dict[str, Callable[[], dict[str, float]]] = {
+        "engine": lambda: engine_figures(loaded, rounds),
+        "allocators": lambda: allocator_figures(rounds),
+        "padding": lambda: padding_figures(loaded, rounds),
+        "sweep": lambda: sweep_figures(out / "sweep", rounds),
+    }
+    figures: dict[str, float] = {}
+    for group in groups:
+        started = time.perf_counter()
+        figures.update(steps[group]())
+        print(f"{PROG}: {group} measured in {time.perf_counter() - started:.0f} s", flush=True)
+    return {name: figures[name] for name in FIGURES if name in figures}
+
+
+# -- the comparison --------------------------------------------------------------------------
+def read_baseline(path: Path) -> dict[str, Any] | None:
+    """The baseline at ``path`` (None if there is none), its figures checked."""
+    if not path.exists():
+        return None
+    try:
+        baseline = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BaselineError(
+            f"{path} is not JSON ({e}); fix it or rewrite it with --update-baseline"
+        ) from None
+    figures = baseline.get("figures") if isinstance(baseline, dict) else None
+    if not isinstance(figures, dict):
+        raise BaselineError(
+            f"{path}: field 'figures' is missing or not an object of name: number; "
+            "rewrite it with --update-baseline"
+        )
+    for name, value in figures.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise BaselineError(
+                f"{path}: field 'figures.{name}' is {value!r}, not a number; "
+                "rewrite it with --update-baseline"
+            )
+    return baseline
+
+
+def compare_figures(figures: dict[str, float], baseline: dict[str, float]) -> list[dict[str, Any]]:
+    """One check per figure measured: ``status`` regressed, ok, or new (not in the baseline)."""
+    checks = []
+    for name, value in figures.items():
+        figure, base = FIGURES[name], baseline.get(name)
+        check = {
+            "figure": name,
+            "value": value,
+            "baseline": base,
+            "better": figure.better,
+            "tolerance": figure.tolerance,
+            "limit": None if base is None else figure.limit(base),
+            "status": "new",
+        }
+        if base is not None:
+            check["status"] = "regressed" if figure.regressed(value, base) else "ok"
+        checks.append(check)
+    return checks
+
+
+def format_checks(checks: list[dict[str, Any]]) -> str:
+    """A fixed-width table: figure, value, baseline, the limit it must not cross, status."""
+    head = f"{'figure':<31}{'value':>9}{'baseline':>10}{'limit':>10}  {'better':<7}status"
+    rows = [head, "-" * len(head)]
+    for c in checks:
+        base = "-" if c["baseline"] is None else f"{c['baseline']:.3f}"
+        limit = "-" if c["limit"] is None else f"{c['limit']:.3f}"
+        rows.append(
+            f"{c['figure']:<31}{c['value']:>9.3f}{base:>10}{limit:>10}  {c['better']:<7}"
+            f"{c['status']}"
+        )
+    return "\n".join(rows)
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``kvbench-regress`` console script."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run the regression suite and compare its figures with this platform's "
+        "baseline.",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help=f"baseline file (default: {BASELINES}/{platform_name()}.json)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help=f"folder for {FILE} and the sweep's runs (default: results/regress/<run id>)",
+    )
+    parser.add_argument(
+        "--update-baseline",
+        action="store_true",
+        help="write this run's figures into the baseline (replacing those it measured)",
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(GROUPS),
+        help=f"groups of figures to measure, comma list of {', '.join(GROUPS)}",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help="interleaved repeats of each timed comparison (more: steadier on a busy machine)",
+    )
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    groups = tuple(args.only.split(","))
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown:
+        parser.error(f"--only: no group {unknown[0]!r}; choose from {', '.join(GROUPS)}")
+    baseline_path = args.baseline or BASELINES / f"{platform_name()}.json"
+    try:
+        baseline = read_baseline(baseline_path)
+    except BaselineError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    out = args.output or Path("results/regress") / run_id()
+
+    machine.set_mlx_cache_limit()  # as kvbench runs do
+    started = time.perf_counter()
+    figures = measure(groups, out, args.rounds)
+    checks = compare_figures(figures, baseline["figures"] if baseline else {})
+    report = {
+        "platform": platform_name(),
+        "figures": figures,
+        "baseline": str(baseline_path) if baseline else None,
+        "checks": checks,
+        "seconds": time.perf_counter() - started,
+        "machine": machine.info(),
+    }
+    _write_json(out / FILE, report)
+    print(format_checks(checks))
+    print(f"wrote {out / FILE}")
+
+    if args.update_baseline:
+        kept = baseline["figures"] if baseline else {}
+        _write_json(
+            baseline_path,
+            {
+                "platform": platform_name(),
+                "figures": {**kept, **figures},
+                "machine": report["machine"],
+            },
+        )
+        print(f"baseline written: {baseline_path}")
+        return
+    if baseline is None:
+        print(
+            f"{PROG}: no baseline for {platform_name()} ({baseline_path}); nothing compared. "
+            "Start one with --update-baseline and commit it."
+        )
+        return
+    if baseline.get("machine", {}).get("cpu") != report["machine"]["cpu"]:
+        print(
+            f"{PROG}: note: the baseline was measured on {baseline.get('machine', {}).get('cpu')},"
+            f" this run on {report['machine']['cpu']}; ratios can differ between CPUs"
+        )
+    regressed = [c for c in checks if c["status"] == "regressed"]
+    passed = sum(c["status"] == "ok" for c in checks)
+    new = len(checks) - passed - len(regressed)
+    print(
+        f"figures: {passed} passed, {len(regressed)} failed" + (f", {new} skipped" if new else "")
+    )
+    for c in regressed:
+        print(
+            f"{PROG}: regressed: {c['figure']} = {c['value']:.3f}, baseline {c['baseline']:.3f}, "
+            f"tolerance {c['tolerance']:.0%} ({c['better']} is better: limit {c['limit']:.3f})",
+            file=sys.stderr,
+        )
+    if regressed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

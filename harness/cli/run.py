@@ -1,0 +1,296 @@
+"""kvbench's main job: build model, allocator, scheduler and engine from the config, replay a
+trace, write the result tables and the summary, print the summary.
+
+    kvbench                                      (or python -m harness.cli.run)
+    kvbench allocator=radix trace=shared_prefix
+    kvbench -m allocator=free_list,radix trace.rate=1,2,4 [hydra/launcher=joblib]
+
+Hydra owns the folders (``conf/config.yaml``: ``results/<experiment_name>/runs/<run_id>`` and
+``results/<experiment_name>/multiruns/<sweep_id>/<overrides>``). A multirun job whose folder
+already holds a summary.json for the same overrides is skipped, so re-running an interrupted
+sweep with its ``sweep_id`` completes only the missing jobs.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import secrets
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import hydra
+import mlx.core as mx
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from allocators.base import BlockAllocator
+from harness.analysis import results
+from harness.analysis.metrics import format_summary, requests_frame, steps_frame, summarize
+from harness.cli.config import validate
+from harness.cli.replay import check_trace, replay, sampling_params
+from harness.engine import LLMEngine
+from harness.engine.clock import VirtualClock, WallClock
+from harness.engine.sampling import LogprobsMode, SamplingParams, SamplingParamsError
+from harness.engine.speculative import Speculation
+from harness.platform import machine
+from harness.platform.models import LoadedModel
+from harness.workload.traces import Trace, max_prefix_hit_rate
+from schedulers.base import Scheduler
+
+log = logging.getLogger(__name__)
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CLOCKS = {"virtual": VirtualClock, "wall": WallClock}
+WARMUP_TOKENS = 8  # output tokens per warm-up request: a few decode steps
+
+# conf/hydra/launcher/{ray,submitit_slurm}.yaml keep the plugins' option names, so Hydra
+# validates them against the plugins' schemas of the same name and warns that this matching
+# is deprecated; it is supported throughout hydra-core 1.3, the range pyproject allows.
+warnings.filterwarnings(
+    "ignore", message=r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema"
+)
+
+
+def run_id() -> str:
+    """A folder name for a run or a sweep: its start time, then 6 random hex digits, so runs
+    started in the same second (two shells, a scheduler's array job) never share a folder."""
+    return f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(3)}"
+
+
+# ``${run_id:}`` in conf/config.yaml; cached, so one config resolves it to one value.
+OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
+
+
+class UsageError(Exception):
+    """The config or an input it names (trace file, model path, an option's value) is wrong:
+    ``kvbench`` prints the message, which names the setting and the fix, and exits 2."""
+
+
+class SweepMismatchError(RuntimeError):
+    """A sweep job's folder holds a finished run of different overrides."""
+
+
+def build_engine(
+    model: LoadedModel,
+    allocator: Callable[..., BlockAllocator],
+    scheduler: Callable[..., Scheduler],
+    *,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    kv_cache_bytes: int | None = None,
+    max_model_len: int | None = None,
+    speculative: Speculation | None = None,
+    clock: Literal["virtual", "wall"] = "virtual",
+    seed: int = 0,
+    pipeline: bool = False,
+    logprobs_mode: LogprobsMode = "raw_logprobs",
+) -> LLMEngine:
+    """The ``engine`` config group's target: ``LLMEngine.build`` with the clock named."""
+    return LLMEngine.build(
+        model,
+        allocator,
+        scheduler,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_cache_bytes=kv_cache_bytes,
+        max_model_len=max_model_len,
+        speculative=speculative,
+        clock=CLOCKS[clock](),
+        seed=seed,
+        pipeline=pipeline,
+        logprobs_mode=logprobs_mode,
+    )
+
+
+def run(
+    cfg: DictConfig,
+    output_dir: str | Path,
+    *,
+    overrides: Sequence[str] = (),
+    choices: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run one experiment and write its files into ``output_dir``; return the summary written.
+
+    The config is validated before anything is built; a wrong setting or input raises
+    ``UsageError`` (its cause is the component's own error). If the replay fails or is interrupted,
+    the rows recorded so far are still written (requests.parquet, steps.parquet) but no
+    summary.json, so the run counts as unfinished and a sweep re-run repeats it.
+    """
+    out = Path(output_dir)
+    try:  # everything here checks input: its errors name the setting, not a code path
+        validate(cfg)
+        out.mkdir(parents=True, exist_ok=True)
+        trace = _build(cfg.trace.generator)
+        model = _build(cfg.model)
+        check_trace(trace, model.vocab_size)
+        sampling = _build(cfg.sampling)
+        try:  # bad values fail now, naming the key (min_tokens against the shortest request)
+            sampling(max_tokens=min((r.max_tokens for r in trace), default=1), ignore_eos=True)
+        except SamplingParamsError as e:
+            field = str(e).split(".", 1)[1]  # "SamplingParams.top_p=..." -> the config key
+            raise ValueError(f"sampling.{field}") from None
+        speculative = _build(cfg.speculative) if cfg.get("speculative") is not None else None
+        build = partial(
+            _build(cfg.engine),
+            model,
+            _build(cfg.allocator),
+            _build(cfg.scheduler),
+            speculative=speculative,
+        )
+        engine = build()
+    except (ValueError, OSError) as e:
+        results.write_failure(out, e)
+        raise UsageError(str(e)) from e
+    machine.set_mlx_cache_limit(cfg.mlx_cache_limit)
+    if cfg.warmup:
+        # First-time costs (allocations, BLAS threads) are the harness's, not the policy's:
+        # pay them on a throwaway engine, so the measured one starts with a clean arena,
+        # prefix cache and clock. Its buffers go back to MLX's cache for the real one.
+        try:
+            warm_up(engine, trace, cfg.warmup, sampling)
+            del engine
+            gc.collect()
+            engine = build()
+        except BaseException as e:
+            results.write_failure(out, e)
+            raise
+    mx.reset_peak_memory()  # mlx_peak_bytes is this run's, not an earlier job's
+    started = time.perf_counter()
+    try:
+        replay(engine, trace, sampling=sampling, progress=cfg.progress)
+    except BaseException as e:
+        log.error(
+            "replay failed: writing the %d finished requests' rows to %s",
+            len(engine.recorder.requests),
+            out,
+        )
+        results.write_tables(out, *_tables(engine))
+        results.write_failure(out, e)
+        raise
+    wall_time = time.perf_counter() - started
+    requests, steps = _tables(engine)
+    results.write_tables(out, requests, steps)
+    summary = summarize(requests, steps, clock=engine.clock.name)
+    block_size = engine.allocator.block_size
+    summary.update(
+        wall_time=wall_time,
+        num_requests=len(trace),
+        max_prefix_hit_rate=trace.metadata.get("max_prefix_hit_rate"),
+        max_prefix_hit_rate_blocks=max_prefix_hit_rate(trace.requests, block_size),
+        warmup_requests=min(cfg.warmup, len(trace)),
+        model_name=model.name,
+        num_blocks=engine.allocator.num_blocks,
+        block_size=block_size,
+        choices=dict(choices or {}),
+        overrides=list(overrides),
+        trace_metadata=trace.metadata,
+        machine=machine.info(),
+    )
+    results.write_vllm_bench(out, summary)
+    results.write_summary(out, summary)  # last: a folder with it is a finished run
+    return summary
+
+
+def warm_up(
+    engine: LLMEngine, trace: Trace, num_requests: int, sampling: Callable[..., SamplingParams]
+) -> None:
+    """Run the trace's first ``num_requests`` prompts at once, at most ``WARMUP_TOKENS``
+    output tokens each, through ``engine``: batched prefills and decodes of the trace's own
+    shapes. The engine is thrown away after."""
+    for req in trace.requests[:num_requests]:
+        params = replace(
+            sampling_params(req, sampling), max_tokens=min(WARMUP_TOKENS, req.max_tokens)
+        )
+        engine.add_request(f"warmup-{req.request_id}", req.prompt_token_ids, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _build(node: DictConfig) -> Any:
+    """``instantiate``, re-raising the component's own error (TraceError, ValueError naming
+    the setting) rather than Hydra's wrapper around it."""
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as e:
+        if e.__cause__ is None:
+            raise
+        raise e.__cause__ from None
+
+
+def _tables(engine: LLMEngine):
+    return requests_frame(engine.recorder.requests), steps_frame(engine.recorder.steps)
+
+
+def finished_run(output_dir: str | Path, overrides: Sequence[str], ignore: Sequence[str] = ()):
+    """The summary of a finished run of the same overrides in ``output_dir``, else None.
+
+    Raises ``SweepMismatchError`` if the folder holds a run of other overrides: skipping it
+    would silently report the wrong configuration.
+    """
+    done = results.read_summary(output_dir)
+    if done is None:
+        return None
+
+    def key(items: Sequence[str]) -> set[str]:
+        return {o for o in items if results.override_key(o) not in ignore}
+
+    if key(done.get("overrides", [])) != key(overrides):
+        raise SweepMismatchError(
+            f"{output_dir} already holds a finished run of {sorted(done.get('overrides', []))}, "
+            f"not {sorted(overrides)}: use a new sweep_id (or delete that folder)"
+        )
+    return done
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """The ``kvbench`` console script: one job of a run or of a sweep."""
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir)
+    overrides = list(hc.overrides.task)
+    if hc.mode == RunMode.MULTIRUN:
+        ignore = list(hc.job.config.override_dirname.exclude_keys)
+        done = finished_run(out, overrides, ignore)
+        if done is not None:
+            log.info("skipped: %s already holds a finished run", out)
+            return done
+    choices = {g: c for g, c in hc.runtime.choices.items() if not g.startswith("hydra")}
+    if "joblib" in hc.launcher.get("_target_", "").lower() and hc.launcher.get("n_jobs") != 1:
+        log.warning(
+            "hydra/launcher=joblib runs this sweep's jobs in parallel on %s cores: every "
+            "measured step includes their contention. For timing figures run jobs one at a "
+            "time (the default launcher, or hydra.launcher.n_jobs=1).",
+            os.cpu_count(),
+        )
+    try:
+        summary = run(cfg, out, overrides=overrides, choices=choices)
+    except UsageError as e:
+        # SystemExit passes through Hydra's handler, which would print a traceback.
+        print(f"kvbench: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(format_summary(summary))
+    print(f"results: {out}")
+    if not summary["completed"]:
+        print(
+            f"kvbench: error: no request completed ({summary['aborted']} aborted): see "
+            f"abort_reason in {out / 'requests.parquet'}; a larger arena (engine.num_blocks) "
+            "or shorter requests may fit",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

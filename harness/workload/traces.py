@@ -1,0 +1,256 @@
+"""Request traces: the record a run replays, its theoretical prefix reuse, and its files.
+
+A trace is the open-loop input of a run: who arrives when, with which prompt tokens and how
+many output tokens. Concrete token ids (not just lengths) are stored because prefix caching
+matches real tokens. Generators live in ``harness.workload.generators``; files are ``.jsonl`` or
+``.parquet``, written atomically and validated on load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be replayed; the message names file, line/row, field and fix."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request: prompt tokens, arrival (s from trace start) and output length.
+
+    The engine runs with ``ignore_eos``, so ``max_tokens`` is exactly the output length.
+    SLOs are in seconds; ``None`` means the request has no such objective.
+    """
+
+    request_id: str
+    arrival_time: float
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    priority: int = 0
+    ttft_slo: float | None = None
+    tpot_slo: float | None = None
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests sorted by arrival, plus metadata (generator, parameters, seed, vocab_size,
+    ``max_prefix_hit_rate``)."""
+
+    requests: tuple[TraceRequest, ...]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        return iter(self.requests)
+
+
+def max_prefix_hit_rate(requests: Iterable[TraceRequest], block_size: int | None = None) -> float:
+    """Upper bound on the prefix-cache hit rate of a trace replayed in its order.
+
+    Each prompt can hit at most its longest common prefix with an earlier prompt (capped at
+    len-1: the last token is always computed, as in ``BlockAllocator.match_prefix``), rounded
+    down to full blocks if ``block_size`` is given. Returns hits / total prompt tokens (0.0 for
+    an empty trace). A token trie makes it O(total tokens).
+    """
+    root: dict[int, dict] = {}
+    hits = total = 0
+    for req in requests:
+        node, depth, ids = root, 0, req.prompt_token_ids
+        while depth < len(ids) and ids[depth] in node:
+            node, depth = node[ids[depth]], depth + 1
+        for tok in ids[depth:]:
+            node = node.setdefault(tok, {})
+        hit = min(depth, len(ids) - 1)
+        hits += hit - hit % block_size if block_size else hit
+        total += len(ids)
+    return hits / total if total else 0.0
+
+
+_FIELDS = tuple(f.name for f in fields(TraceRequest))
+_REQUIRED = ("request_id", "arrival_time", "prompt_token_ids", "max_tokens")
+_PARQUET_KEY = b"kvbench.trace_metadata"
+_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("arrival_time", pa.float64()),
+        ("prompt_token_ids", pa.list_(pa.int64())),
+        ("max_tokens", pa.int64()),
+        ("priority", pa.int64()),
+        ("ttft_slo", pa.float64()),
+        ("tpot_slo", pa.float64()),
+    ]
+)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _parse(obj: Any, where: str) -> TraceRequest:
+    def fail(name: str, problem: str) -> TraceError:
+        return TraceError(f"{where}: field '{name}' {problem}")
+
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected an object with fields {list(_FIELDS)}")
+    unknown = sorted(set(obj) - set(_FIELDS))
+    if unknown:
+        raise fail(unknown[0], f"is unknown; remove it or rename it to one of {list(_FIELDS)}")
+    for name in _REQUIRED:
+        if obj.get(name) is None:
+            raise fail(name, "is missing; every request needs it")
+    if not isinstance(obj["request_id"], str) or not obj["request_id"]:
+        raise fail("request_id", f"must be a non-empty string, got {obj['request_id']!r}")
+    arrival = obj["arrival_time"]
+    if not _is_number(arrival):
+        raise fail("arrival_time", f"must be a finite number of seconds, got {arrival!r}")
+    if arrival < 0:
+        raise fail("arrival_time", f"is negative ({arrival}); use seconds from trace start >= 0")
+    ids = obj["prompt_token_ids"]
+    if not isinstance(ids, list):
+        raise fail("prompt_token_ids", f"must be a list of token ids, got {ids!r}")
+    if not ids:
+        raise fail("prompt_token_ids", "is empty; a request needs at least one prompt token")
+    for j, tok in enumerate(ids):
+        if not _is_int(tok) or tok < 0:
+            raise fail(f"prompt_token_ids[{j}]", f"is {tok!r}; token ids are integers >= 0")
+    if not _is_int(obj["max_tokens"]) or obj["max_tokens"] < 1:
+        raise fail("max_tokens", f"is {obj['max_tokens']!r}; it must be an integer >= 1")
+    priority = obj.get("priority")
+    if priority is not None and not _is_int(priority):
+        raise fail("priority", f"must be an integer, got {priority!r}")
+    for name in ("ttft_slo", "tpot_slo"):
+        slo = obj.get(name)
+        if slo is not None and not (_is_number(slo) and slo > 0):
+            raise fail(name, f"must be a number of seconds > 0 or null, got {slo!r}")
+    return TraceRequest(
+        obj["request_id"],
+        float(arrival),
+        tuple(ids),
+        obj["max_tokens"],
+        priority or 0,
+        obj.get("ttft_slo"),
+        obj.get("tpot_slo"),
+    )
+
+
+def _read_jsonl(path: Path) -> tuple[dict, list[tuple[str, Any]]]:
+    metadata: dict = {}
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(
+                f"{path} line {n}: invalid JSON ({e.msg}); write one object per line"
+            ) from None
+        if not records and not metadata and isinstance(obj, dict) and set(obj) == {"metadata"}:
+            metadata = obj["metadata"]
+        else:
+            records.append((f"{path} line {n}", obj))
+    return metadata, records
+
+
+def _read_parquet(path: Path) -> tuple[dict, list[tuple[str, Any]]]:
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise TraceError(f"{path}: not a readable parquet file ({e})") from None
+    raw = (table.schema.metadata or {}).get(_PARQUET_KEY)
+    metadata = json.loads(raw) if raw else {}
+    # Row numbers are 0-based, as in pd.read_parquet(path).iloc[row].
+    return metadata, [(f"{path} row {i}", obj) for i, obj in enumerate(table.to_pylist())]
+
+
+def load(path: str | os.PathLike) -> Trace:
+    """Read a ``.jsonl`` or ``.parquet`` trace, validating every request.
+
+    The metadata header is optional (a hand-written file has none); ``max_prefix_hit_rate``
+    is recomputed from the requests, so it always describes what will be replayed. Requests
+    must already be sorted by arrival: a replay must be exactly the file, so an unsorted file
+    is an error naming the first out-of-order record rather than being silently reordered
+    (which would change who counts as earlier).
+    """
+    path = Path(path)
+    readers = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
+    if path.suffix not in readers:
+        raise TraceError(f"{path}: unknown trace format {path.suffix!r}; use .jsonl or .parquet")
+    metadata, records = readers[path.suffix](path)
+    if not isinstance(metadata, dict):
+        raise TraceError(f"{path}: metadata must be an object, got {metadata!r}")
+    requests: list[TraceRequest] = []
+    first_seen: dict[str, str] = {}
+    for where, obj in records:
+        req = _parse(obj, where)
+        if req.request_id in first_seen:
+            raise TraceError(
+                f"{where}: field 'request_id' {req.request_id!r} duplicates "
+                f"{first_seen[req.request_id]}; request ids must be unique"
+            )
+        if requests and req.arrival_time < requests[-1].arrival_time:
+            raise TraceError(
+                f"{where}: field 'arrival_time' {req.arrival_time} is earlier than "
+                f"the previous request's {requests[-1].arrival_time}; sort the "
+                "file by arrival_time"
+            )
+        first_seen[req.request_id] = where
+        requests.append(req)
+    metadata["max_prefix_hit_rate"] = max_prefix_hit_rate(requests)
+    return Trace(tuple(requests), metadata)
+
+
+def from_file(path: str) -> Trace:
+    """Hydra workload that replays a saved trace (relative paths are from the launch dir)."""
+    if not Path(path).is_file():
+        raise TraceError(
+            f"trace.path={path!r} is not a file (relative paths start at {Path.cwd()}): "
+            "point it at a .jsonl or .parquet trace"
+        )
+    trace = load(path)
+    trace.metadata["source_file"] = str(path)
+    return trace
+
+
+def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)  # readers never see a half-written trace
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def save(trace: Trace, path: str | os.PathLike) -> None:
+    """Write ``trace`` atomically as ``.jsonl`` (a ``{"metadata": ...}`` header line, then one
+    request per line) or ``.parquet`` (metadata as JSON in the schema metadata)."""
+    path = Path(path)
+    records = [asdict(r) for r in trace.requests]  # tuples of ids become JSON/arrow lists
+    if path.suffix == ".jsonl":
+        lines = [json.dumps({"metadata": trace.metadata})] + [json.dumps(r) for r in records]
+        _atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    elif path.suffix == ".parquet":
+        schema = _SCHEMA.with_metadata({_PARQUET_KEY: json.dumps(trace.metadata).encode()})
+        table = pa.Table.from_pylist(records, schema=schema)
+        _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+    else:
+        raise TraceError(f"{path}: unknown trace format {path.suffix!r}; use .jsonl or .parquet")

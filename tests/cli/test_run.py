@@ -1,0 +1,296 @@
+"""The main job: one run in-process, the kvbench command, sweeps on every local launcher, and
+an interrupted sweep finished by a re-run."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.analysis import results
+from harness.analysis.metrics import SUMMARY_KEYS, summarize
+from harness.cli.run import SweepMismatchError, finished_run, run, run_id
+
+SWEEP_2X2 = ("allocator=free_list,radix", "scheduler=fcfs,chunked_prefill")
+
+
+def same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-9)
+    return a == b
+
+
+def assert_recomputes(run_dir: Path, summary: dict) -> None:
+    """Every summary figure equals the figure recomputed from the run's own tables."""
+    requests, steps = results.load_tables(run_dir)
+    again = summarize(requests, steps, clock=summary["clock"])
+    for key in SUMMARY_KEYS:
+        assert same(summary[key], again[key]), (key, summary[key], again[key])
+
+
+def test_run_writes_tables_and_summary(compose_cfg, tmp_path: Path) -> None:
+    summary = run(compose_cfg(["allocator=radix"]), tmp_path, overrides=["allocator=radix"])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["requests.parquet", "steps.parquet", "summary.json", "vllm_bench.json"]
+    written = results.read_summary(tmp_path)
+    assert set(written) == set(summary)
+    assert all(same(written[k], summary[k]) for k in SUMMARY_KEYS)
+    assert summary["clock"] == "virtual" and summary["completed"] == 6
+    assert summary["num_requests"] == 6 and summary["overrides"] == ["allocator=radix"]
+    assert summary["machine"]["blas"]["blas"] and summary["machine"]["mlx"]
+    assert 0 <= summary["max_prefix_hit_rate"] <= 1
+    assert_recomputes(tmp_path, summary)
+
+
+def test_wall_clock_replays_in_real_time(compose_cfg, tmp_path: Path) -> None:
+    started = time.perf_counter()
+    summary = run(compose_cfg(["engine.clock=wall"]), tmp_path)
+    elapsed = time.perf_counter() - started
+    requests, _ = results.load_tables(tmp_path)
+    assert summary["clock"] == "wall"
+    last_arrival = requests["arrival_time"].max() - requests["arrival_time"].min()
+    assert elapsed >= last_arrival  # the replay waited for the last arrival
+    assert_recomputes(tmp_path, summary)
+
+
+def test_kvbench_command_prints_the_summary(kvbench, tmp_path: Path) -> None:
+    proc = kvbench("allocator=buddy")
+    assert "TTFT (virtual clock)" in proc.stdout and "Requests completed / aborted" in proc.stdout
+    (run_dir,) = (tmp_path / "results" / "default" / "runs").iterdir()
+    assert f"results: {run_dir}" in proc.stdout
+    assert (run_dir / ".hydra" / "overrides.yaml").exists()
+    assert results.read_summary(run_dir)["choices"]["allocator"] == "buddy"
+
+
+def test_sweep_2x2_and_results_load(kvbench, tmp_path: Path) -> None:
+    kvbench("-m", *SWEEP_2X2, "sweep_id=s")
+    table = results.load(tmp_path / "results")
+    assert len(table) == 4
+    pairs = set(zip(table["allocator"], table["scheduler"], strict=True))
+    assert pairs == {(a, s) for a in ("free_list", "radix") for s in ("fcfs", "chunked_prefill")}
+    for row in table.to_dict("records"):
+        assert Path(row["run_dir"]).parent == tmp_path / "results/default/multiruns/s"
+        assert row["completed"] == 6
+        assert_recomputes(Path(row["run_dir"]), row)
+
+
+def test_sweep_with_joblib_launcher(kvbench, tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="kvbench[joblib] needed")
+    proc = kvbench(
+        "-m", "allocator=free_list,contiguous", "trace.rate=4,16", "hydra/launcher=joblib"
+    )  # fmt: skip
+    assert "jobs in parallel" in proc.stdout and "contention" in proc.stdout  # Hydra's log
+    table = results.load(tmp_path / "results")
+    assert len(table) == 4
+    assert sorted(table["trace.rate"]) == [4, 4, 16, 16]
+    assert (table["completed"] == 6).all()
+
+
+@pytest.mark.slow  # starting a local Ray instance takes ~20 s here
+def test_sweep_with_ray_launcher_on_a_local_instance(kvbench, tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="kvbench[ray] needed")
+    kvbench(
+        "-m",
+        "allocator=free_list,buddy",
+        "hydra/launcher=ray",
+        "hydra.launcher.ray.init.num_cpus=2",
+    )
+    table = results.load(tmp_path / "results")
+    assert sorted(table["allocator"]) == ["buddy", "free_list"]
+    for row in table.to_dict("records"):
+        assert row["completed"] == 6
+        assert_recomputes(Path(row["run_dir"]), row)
+
+
+@pytest.mark.slow  # a 4-job sweep of 40-request jobs, run about 1.5 times: ~30 s here
+def test_interrupted_sweep_rerun_completes_only_missing_jobs(tmp_path: Path) -> None:
+    from conftest import TINY, run_kvbench
+
+    # Longer jobs (40 requests each) so the interrupt lands while the sweep is running.
+    args = ["-m", *TINY, "trace.num_requests=40", *SWEEP_2X2, "sweep_id=s"]
+    sweep = tmp_path / "results/default/multiruns/s"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli.run", *args],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while len(list(sweep.glob("*/summary.json"))) < 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, "the sweep made no progress"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) != 0
+    finally:
+        proc.kill()
+    before = {p.parent.name: p.stat().st_mtime_ns for p in sweep.glob("*/summary.json")}
+    assert 2 <= len(before) < 4, f"interrupt landed too late: {sorted(before)}"
+
+    rerun = run_kvbench(*args, cwd=tmp_path)
+    after = {p.parent.name: p.stat().st_mtime_ns for p in sweep.glob("*/summary.json")}
+    assert len(after) == 4
+    assert all(after[name] == mtime for name, mtime in before.items())  # not re-run
+    assert rerun.stdout.count("skipped:") == len(before)
+    assert rerun.stdout.count("Requests completed / aborted") == 4 - len(before)
+    assert len(results.load(sweep)) == 4
+
+
+def test_a_folder_holding_other_overrides_is_never_skipped(tmp_path: Path) -> None:
+    summary = {"overrides": ["allocator=radix", "sweep_id=a"], "clock": "virtual"}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert finished_run(tmp_path, ["sweep_id=b", "allocator=radix"], ignore=["sweep_id"])
+    assert finished_run(tmp_path / "missing", ["allocator=radix"]) is None
+    with pytest.raises(SweepMismatchError, match="new sweep_id"):
+        finished_run(tmp_path, ["allocator=buddy"], ignore=["sweep_id"])
+
+
+def test_run_ids_differ_within_one_second() -> None:
+    # The folder name is the start time plus random digits: 50 ids in well under a second.
+    ids = {run_id() for _ in range(50)}
+    assert len(ids) == 50 and all(i.startswith(time.strftime("%Y-%m-%d_")) for i in ids)
+
+
+@pytest.mark.slow  # two kvbench processes side by side: ~20 s here
+def test_two_runs_started_together_write_two_folders(tmp_path: Path) -> None:
+    from conftest import TINY
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "harness.cli.run", *TINY, f"allocator={name}"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("radix", "buddy")
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+    runs = sorted((tmp_path / "results/default/runs").iterdir())
+    assert len(runs) == 2
+    chosen = {json.loads((r / "summary.json").read_text())["overrides"][-1] for r in runs}
+    assert chosen == {"allocator=radix", "allocator=buddy"}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("engine.num_blocks=0", r"engine\.num_blocks=0 must be at least 1"),
+        ("engine.num_blocks=abc", r"engine\.num_blocks='abc' must be int"),
+        ("trace=file trace.path=/no/such.jsonl", r"trace\.path='/no/such\.jsonl' is not a file"),
+        ("+allocator.blok_size=3", r"allocator\.blok_size is not a parameter.*no options"),
+        ("allocator=radix allocator.eviction=nope", r"allocator\.eviction='nope' must be one of"),
+        ("sampling.top_p=2", r"sampling\.top_p=2 is invalid: it must be in \(0, 1\]"),
+        ("sampling=beam sampling.beam_width=0", r"sampling\.beam_width=0 is invalid: it must be"),
+    ],
+)
+def test_a_wrong_setting_is_one_line_naming_it_and_exit_status_2(kvbench, override, message):
+    proc = kvbench(*override.split(), check=False)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvbench: error:")]
+    assert re.search(message, line), line
+
+
+def test_a_run_that_completes_nothing_says_so_and_fails(kvbench) -> None:
+    proc = kvbench("engine.num_blocks=1", check=False)  # no smoke prompt fits in one block
+    assert proc.returncode == 1
+    assert "kvbench: error: no request completed (6 aborted)" in proc.stderr
+
+
+def test_the_warm_up_leaves_the_measured_engine_clean(compose_cfg, tmp_path: Path) -> None:
+    """The warm-up runs the trace's first prompts on a throwaway engine: the measured radix
+    cache does not hold them, so those requests find no prefix hit (smoke prompts share
+    none), and the first step holds no cached block."""
+    summary = run(compose_cfg(["allocator=radix", "warmup=4"]), tmp_path)
+    requests, steps = results.load_tables(tmp_path)
+    assert summary["warmup_requests"] == 4 and summary["completed"] == 6
+    assert (requests["cached_tokens"] == 0).all()
+    assert steps["blocks_cached"].iloc[0] == 0
+
+
+def test_peak_memory_is_the_runs_own(compose_cfg, tmp_path: Path) -> None:
+    """A small job after a large one in the same process reports its own peak: 2048 blocks
+    of the tiny model are 128 MiB of KV, 64 blocks 4 MiB."""
+    big = run(compose_cfg(["engine.num_blocks=2048", "warmup=0"]), tmp_path / "big")
+    small = run(compose_cfg(["engine.num_blocks=64", "warmup=0"]), tmp_path / "small")
+    assert big["mlx_peak_bytes"] >= 128 * 2**20
+    assert small["mlx_peak_bytes"] < 64 * 2**20
+
+
+def test_a_failed_run_is_marked_failed_and_keeps_its_rows(
+    compose_cfg, tmp_path: Path, monkeypatch
+) -> None:
+    import harness.cli.run
+
+    def fail(engine, trace, **kwargs):
+        engine.add_request("x", trace.requests[0].prompt_token_ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+        raise RuntimeError("the machine fell over")
+
+    monkeypatch.setattr(harness.cli.run, "replay", fail)
+    with pytest.raises(RuntimeError):
+        run(compose_cfg(), tmp_path)
+    assert (tmp_path / results.FAILED_FILE).read_text() == "RuntimeError: the machine fell over\n"
+    assert results.read_summary(tmp_path) is None
+    requests, _ = results.load_tables(tmp_path)
+    assert requests["request_id"].tolist() == ["x"]
+
+
+def test_a_setting_error_marks_the_folder_failed(compose_cfg, tmp_path: Path) -> None:
+    from harness.cli.run import UsageError
+
+    with pytest.raises(UsageError):
+        run(compose_cfg(["trace=file", "trace.path=/no/such.jsonl"]), tmp_path)
+    assert "is not a file" in (tmp_path / results.FAILED_FILE).read_text()
+
+
+def test_summary_reports_the_prefix_bound_at_the_runs_block_size(compose_cfg, tmp_path: Path):
+    """Two users of one 100-token system prompt: the second can reuse 100 tokens, but a
+    cache of 32-token blocks shares only its 3 full blocks, 96 tokens."""
+    from hydra.utils import instantiate
+
+    shape = ["trace.num_system_prompts=1", "trace.users_per_prompt=2"]
+    shape += ["trace.system_prompt_len=100", "engine.block_size=32"]
+    cfg = compose_cfg(["trace=shared_prefix", *shape])
+    summary = run(cfg, tmp_path)
+    total = sum(len(r.prompt_token_ids) for r in instantiate(cfg.trace.generator))
+    assert summary["max_prefix_hit_rate"] == pytest.approx(100 / total)
+    assert summary["max_prefix_hit_rate_blocks"] == pytest.approx(96 / total)
+
+
+def test_a_replay_can_sample(compose_cfg, tmp_path: Path) -> None:
+    """sampling.* reaches every replayed request, with the trace's max_tokens and EOS
+    ignored; the same seed gives every request the same length (rows are in finish order,
+    which the measured step times decide, so they are compared by request)."""
+    over = ["sampling.temperature=0.8", "sampling.top_p=0.9", "sampling.repetition_penalty=1.1"]
+    first = run(compose_cfg([*over, "warmup=0"]), tmp_path / "a")
+    second = run(compose_cfg([*over, "warmup=0"]), tmp_path / "b")
+    assert first["completed"] == second["completed"] == 6
+    a, _ = results.load_tables(tmp_path / "a")
+    b, _ = results.load_tables(tmp_path / "b")
+    lengths = [t.set_index("request_id")["output_tokens"].sort_index() for t in (a, b)]
+    assert lengths[0].to_dict() == lengths[1].to_dict()
+
+
+def test_the_sampling_node_builds_each_requests_params() -> None:
+    from functools import partial
+
+    from harness.cli.replay import sampling_params
+    from harness.engine.sampling import SamplingParams
+    from harness.workload.traces import TraceRequest
+
+    req = TraceRequest("r", 0.0, (1, 2, 3), max_tokens=7)
+    got = sampling_params(req, partial(SamplingParams, temperature=0.8, top_p=0.9))
+    assert got == SamplingParams(temperature=0.8, top_p=0.9, max_tokens=7, ignore_eos=True)
+    assert sampling_params(req) == SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)

@@ -130,6 +130,9 @@ class BlockAllocator(ABC):
     """
 
     _State: type[SeqState] = SeqState
+    # A capability of the contract: committed blocks outlive their sequences and later
+    # prompts match them (``cached_paths`` snapshots them); False, nothing is cached.
+    caches_prefixes: bool = False
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = _check_count("num_blocks", num_blocks, 1)
@@ -299,6 +302,11 @@ class BlockAllocator(ABC):
         """Blocks ``free(seq_id)`` would give back (0 for an unknown sequence)."""
         s = self._seqs.get(seq_id)
         return 0 if s is None else self._reclaimable(s)
+
+    def cached_paths(self) -> list[tuple[tuple[int, ...], list[int]]]:
+        """Every root-to-leaf path of the prefix cache: the tokens it spells and its blocks,
+        in token order (empty unless ``caches_prefixes``)."""
+        return []
 
     def block_table(self, seq_id: str) -> list[int]:
         """``seq_id``'s live block table (logical block i -> physical block id).

@@ -24,7 +24,7 @@ sequence is the key ``tokens[:(j+1)*block_size]``. For each ``(prompt, output)``
 
 Belady's rule, evict the block whose next use is farthest in the future, is the classic
 optimum for uniform-size pages fetched on demand; here every block is one page and every
-hit is worth ``block_size`` tokens (tests/test_offline_cache.py checks it against every
+hit is worth ``block_size`` tokens (tests/allocators/test_offline_cache.py checks it against every
 radix eviction policy). The next use of a key is the next request whose *matchable* prompt
 prefix contains it, unless a request recomputes the key before that (then it is dead until
 recomputed, and its next use is "never"). A child's next use is never earlier than its

@@ -99,6 +99,7 @@ class RadixAllocator(FreeListAllocator):
     which unreferenced leaf to drop when the free list is empty (see the module docstring)."""
 
     _State = RadixState
+    caches_prefixes = True
 
     def __init__(self, num_blocks: int, block_size: int, eviction: Eviction = "lru") -> None:
         super().__init__(num_blocks, block_size)

@@ -33,12 +33,19 @@ whose members wait on each other never deadlocks the arena.
 Prefill-first (``prefill_first = True``) brings in before scheduling the running sequences,
 keeping back the blocks their decodes need this step.
 
-Speculative decoding (``num_lookahead_slots = k > 0``, set by the engine): after the step is
-decided, each decode is widened to verify up to ``k`` draft tokens (``Scheduled(seq, 1 + k,
-num_draft_tokens=k)``) when its slots fit in the token budget and at least one free block
-per running sequence stays free: speculation only uses headroom, never preempts anyone.
-Whenever a sequence's blocks go (finish, abort, preemption) ``release_listeners`` hear its id
-(the engine's draft model drops its KV).
+Speculative decoding (``num_lookahead_slots = k > 0`` and a ``draft`` allocator, set by the
+engine): after the step is decided, each decode is widened to verify up to ``k`` draft tokens
+(``Scheduled(seq, 1 + k, num_draft_tokens=k)``) when its slots fit in the token budget, at
+least one free block per running sequence stays free, and the draft's arena has room for the
+draft's own slots: speculation only uses headroom, never preempts anyone.
+
+The scheduler is the one owner of every allocation and of each sequence's progress: the
+engine runs the plan and hands the step's results back through ``update`` (KV written, drafts
+accepted), which advances ``num_computed_tokens``, offers newly full blocks to the prefix
+cache (``commit``) and trims rejected drafts' slots; ``finish`` frees a sequence that stopped.
+The draft model's KV and a sliding-window model's rings live on allocators of their own
+(``schedulers/kv_groups.py``), which the scheduler alone calls too: a sequence takes its ring
+when it comes on the device and gives every allocation back when it leaves.
 
 Policies override the hooks that differ: ``_waiting_order`` / ``_incoming_order`` (who comes
 in first), ``_victim`` (who is preempted), ``_running_order`` and ``_chunk`` (chunking), and
@@ -49,10 +56,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from allocators.base import Allocation, BlockAllocator, blocks_for
+from schedulers.kv_groups import DraftKV, WindowRings
 from schedulers.output import (  # noqa: F401  (re-exported: part of the contract)
+    Holding,
+    KVStats,
     Preemption,
     Scheduled,
     SchedulerOutput,
@@ -60,6 +70,8 @@ from schedulers.output import (  # noqa: F401  (re-exported: part of the contrac
     SwapOut,
 )
 from schedulers.request import Request, Status
+
+PREFIX_SLOT = "\0restore-prefix-cache"  # a scratch sequence no request is (restore_prefix)
 
 
 def positive_int(name: str, value: object) -> int:
@@ -89,9 +101,10 @@ class Scheduler(ABC):
             not fit is preempted by recompute instead.
         num_lookahead_slots: draft tokens a decode may verify per step (speculative
             decoding; the engine sets it, 0 without).
-        read_prefix_cache: admission matches a waiting request's prompt against the prefix
-            cache (``match_prefix``); the engine turns it off for a model with sliding-window
-            layers, whose window KV a cached prefix does not hold.
+        draft: the draft model's allocator (speculative decoding; the engine sets it).
+        window: builds the sliding-window rings for ``max_num_seqs`` sequences (a model with
+            window layers; the engine sets it). Admission then reads no prefix cache: a
+            cached prefix does not hold the window layers' KV.
     """
 
     chunked_prefill = False
@@ -110,7 +123,8 @@ class Scheduler(ABC):
         preemption_mode: str = "recompute",
         swap_blocks: int | None = None,
         num_lookahead_slots: int = 0,
-        read_prefix_cache: bool = True,
+        draft: BlockAllocator | None = None,
+        window: Callable[..., WindowRings] | None = None,
     ) -> None:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.chunked_prefill else max(max_model_len, 2048)
@@ -142,6 +156,8 @@ class Scheduler(ABC):
             positive_int("swap_blocks", swap_blocks)
         if num_lookahead_slots:
             positive_int("num_lookahead_slots", num_lookahead_slots)
+        if (draft is None) != (num_lookahead_slots == 0):
+            raise ValueError("num_lookahead_slots and a draft allocator go together")
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -163,8 +179,9 @@ class Scheduler(ABC):
         self.restored: dict[str, int] = {}
         self.parked: set[Request] = set()  # need no step until unparked (see park)
         self.num_lookahead_slots = num_lookahead_slots
-        self.read_prefix_cache = read_prefix_cache
-        self.release_listeners: list[Callable[[str], None]] = []
+        self.draft = DraftKV(draft) if draft is not None else None
+        self.rings = window(max_num_seqs=max_num_seqs) if window is not None else None
+        self.read_prefix_cache = window is None
 
     # -- requests in and out -------------------------------------------------------------
     def add(self, seq: Request, restored: int = 0) -> None:
@@ -201,9 +218,11 @@ class Scheduler(ABC):
             child.status = Status.WAITING
             self.waiting.appendleft(child)
             return None
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_computed_tokens = child.num_cached_tokens = parent.num_computed_tokens
         child.status = Status.RUNNING
         self.running.append(child)
+        if self.rings is not None:
+            self.rings.take(child.request_id)
         return alloc
 
     def park(self, seq: Request) -> None:
@@ -234,13 +253,20 @@ class Scheduler(ABC):
         prompt = seq.num_tokens - seq.num_output_tokens
         return min(prompt + seq.params.max_tokens - 1, self.max_seq_len)
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, request_id: str) -> tuple[int, ...]:
+        """Give back everything ``request_id`` holds on the device; returns its window ring
+        (empty without), readable until the step writes."""
         self.allocator.free(request_id)
-        for listener in self.release_listeners:
-            listener(request_id)
+        if self.draft is not None:
+            self.draft.release(request_id)
+        return self.rings.release(request_id) if self.rings is not None else ()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def unfinished(self) -> list[Request]:
+        """Every request waiting, running or swapped out."""
+        return [*self.waiting, *self.running, *self.swapped]
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
@@ -249,6 +275,85 @@ class Scheduler(ABC):
         """The request that comes in next when room allows (the head of the line)."""
         order = self._incoming()
         return order[0] if order else None
+
+    # -- a step's results ----------------------------------------------------------------
+    def update(
+        self, plan: SchedulerOutput, accepted: Mapping[Request, Sequence[int]] | None = None
+    ) -> None:
+        """The plan's rows ran: advance each scheduled sequence by the KV its row wrote and
+        offer newly full blocks to the prefix cache (before any stop frees them uncached).
+
+        A verification (``num_draft_tokens``) wrote the sequence's last token and the drafts
+        ``accepted[seq]`` lists (those kept); the rejected drafts' slots are trimmed, in the
+        target's arena and the draft's. A sequence that finished while its row computed
+        (pipelined steps: it stopped on the previous step's token) is skipped."""
+        for s in plan.scheduled:
+            seq = s.seq
+            if seq.status is Status.FINISHED:
+                continue
+            before = seq.num_computed_tokens
+            if s.num_draft_tokens:
+                kept = accepted[seq]
+                seq.num_computed_tokens += len(kept) + 1
+                self._commit(seq, before, [*seq.token_ids, *kept])
+                self.allocator.trim(seq.request_id, seq.num_computed_tokens)
+                self.draft.rollback(seq.request_id, seq.num_computed_tokens)
+            else:
+                seq.num_computed_tokens += s.num_new_tokens
+                self._commit(seq, before, seq.token_ids)
+
+    def _commit(self, seq: Request, before: int, token_ids: Sequence[int]) -> None:
+        """Tell the allocator about newly full blocks of written KV (prefix caches share
+        them); ``token_ids`` hold at least the computed tokens."""
+        bs = self.allocator.block_size
+        if seq.num_computed_tokens // bs > before // bs:
+            self.allocator.commit(seq.request_id, token_ids[: seq.num_computed_tokens])
+
+    def stats(self) -> KVStats:
+        """Memory and queues as the plan leaves them (the recorder's one view of both)."""
+        alloc = self.allocator
+        running = tuple(
+            Holding(
+                seq,
+                alloc.num_tokens(seq.request_id),
+                alloc.held_slots(seq.request_id),
+                tuple(alloc.block_table(seq.request_id)),
+            )
+            for seq in self.running
+        )
+        head = self.next_incoming()
+        unusable = 0
+        if head is not None:
+            need = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
+            unusable = alloc.unusable_free_blocks(need, head.request_id)
+        return KVStats(
+            blocks=alloc.stats(),
+            running=running,
+            num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
+            unusable_free_blocks=unusable,
+            draft_blocks_used=self.draft.allocator.stats().used_blocks if self.draft else 0,
+            window_blocks_used=self.rings.allocator.stats().used_blocks if self.rings else 0,
+        )
+
+    # -- a prefix-cache snapshot coming back ---------------------------------------------
+    def claim_prefix(self, token_ids: Sequence[int]) -> tuple[int, list[int]] | None:
+        """Blocks for one path of a prefix-cache snapshot, ``token_ids`` (whole blocks): the
+        tokens the cache already holds and the blocks to write the rest into, after which
+        ``index_prefix`` caches them, held by nobody. None, holding nothing, when the free
+        blocks cannot take the rest (the caller stops rather than evict what it restored)."""
+        alloc = self.allocator
+        have = alloc.match_prefix(PREFIX_SLOT, [*token_ids, -1])  # every full block may match
+        if alloc.stats().free_blocks < blocks_for(len(token_ids) - have, alloc.block_size):
+            alloc.free(PREFIX_SLOT)
+            return None
+        alloc.allocate(PREFIX_SLOT, len(token_ids))
+        return have, alloc.block_table(PREFIX_SLOT)[have // alloc.block_size :]
+
+    def index_prefix(self, token_ids: Sequence[int]) -> None:
+        """The claimed blocks hold ``token_ids``' KV: cache them and let go."""
+        self.allocator.commit(PREFIX_SLOT, token_ids)
+        self.allocator.free(PREFIX_SLOT)
 
     # -- the step decision ---------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -298,10 +403,19 @@ class Scheduler(ABC):
             grown = alloc.allocate(rid, have + k)
             if grown is None:
                 continue
-            copies.extend(grown.copies)
-            out.scheduled[i] = Scheduled(s.seq, k + 1, num_draft_tokens=k)
+            copies.extend(grown.copies)  # a region may have moved, even if the draft says no
+            start = self.draft.computed.get(rid, 0)
+            # The draft computes the sequence's tokens and its first k - 1 proposals.
+            drafted = self.draft.grow(rid, s.seq.num_tokens + k - 1)
+            if drafted is None:
+                alloc.trim(rid, have)
+                continue
+            self.draft.computed[rid] = s.seq.num_tokens + k - 1
+            out.draft_copies.extend(drafted.copies)
+            out.scheduled[i] = Scheduled(s.seq, k + 1, num_draft_tokens=k, draft_start=start)
             budget -= k
         out.copies = simultaneous(copies)
+        out.draft_copies = simultaneous(out.draft_copies)
 
     def _num_drafts(self, s: Scheduled) -> int:
         """Draft tokens worth verifying for a scheduled sequence (0 unless it decodes)."""
@@ -392,12 +506,13 @@ class Scheduler(ABC):
                 break
             self.running.append(seq)
             seq.status = Status.RUNNING
+            ring = self.rings.take(seq.request_id) if self.rings is not None else ()
             if swapped:
                 self.swapped.remove(seq)
                 host = self.host_blocks.pop(seq.request_id)
                 first = cached // self.allocator.block_size
                 table = self.allocator.block_table(seq.request_id)
-                out.swapped_in.append(SwapIn(seq, tuple(table[first:host]), first))
+                out.swapped_in.append(SwapIn(seq, tuple(table[first:host]), first, ring))
                 continue
             self.waiting.remove(seq)
             if seq.request_id in self.restored:
@@ -473,11 +588,11 @@ class Scheduler(ABC):
             and (self.swap_blocks is None or host_used + num_blocks <= self.swap_blocks)
         ):
             blocks = tuple(self.allocator.block_table(seq.request_id)[:num_blocks])
-            self._release(seq.request_id)
+            ring = self._release(seq.request_id)
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
             self.host_blocks[seq.request_id] = num_blocks
-            out.swapped_out.append(SwapOut(seq, blocks))
+            out.swapped_out.append(SwapOut(seq, blocks, ring))
             out.preempted.append((seq, Preemption.SWAP))
             return
         self._release(seq.request_id)

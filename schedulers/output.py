@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from allocators.base import AllocatorStats
 from schedulers.request import Request
 
 
@@ -23,12 +24,15 @@ class Scheduled:
     """A sequence that runs this step, computing ``num_new_tokens`` from its computed prefix.
 
     ``num_draft_tokens > 0`` marks a speculative verification: the last ``num_draft_tokens``
-    of the ``num_new_tokens`` slots are a draft model's proposals, not yet in ``seq``.
+    of the ``num_new_tokens`` slots are a draft model's proposals, not yet in ``seq``. The
+    draft model first catches up from ``draft_start`` (its tokens with draft KV) and has
+    slots for the sequence's tokens and its first ``num_draft_tokens - 1`` proposals.
     """
 
     seq: Request
     num_new_tokens: int
     num_draft_tokens: int = 0
+    draft_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -36,22 +40,26 @@ class SwapOut:
     """Copy device ``blocks`` (``seq``'s table, in order) to a host copy of ``seq``.
 
     The allocator already counts them free and may hand them out in this same step, so the
-    engine reads them before it applies any block copy, swap-in or forward.
+    engine reads them before it applies any block copy, swap-in or forward. ``ring``: the
+    sliding-window ring it gave back, copied alike (a model with window layers).
     """
 
     seq: Request
     blocks: tuple[int, ...]
+    ring: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class SwapIn:
     """Write host blocks ``first, first + 1, ...`` of ``seq``'s host copy into the new device
     ``blocks``, then drop the host copy. Host blocks before ``first`` came back from the
-    allocator's prefix cache and need no copy."""
+    allocator's prefix cache and need no copy. ``ring``: the new sliding-window ring its
+    host ring is written into, slot for slot (a model with window layers)."""
 
     seq: Request
     blocks: tuple[int, ...]
     first: int = 0
+    ring: tuple[int, ...] = ()
 
 
 @dataclass
@@ -62,7 +70,8 @@ class SchedulerOutput:
     (write), then the forward over ``scheduled`` (a sequence swapped in runs from the next
     step). ``rejected`` sequences can never run and hold nothing. ``hold_until`` is set when
     nothing runs on purpose (a batch of ``min_batch_size`` is forming): nothing changes
-    before that time unless a request arrives.
+    before that time unless a request arrives. ``draft_copies``: block copies in the draft
+    model's arena (speculative decoding), applied before the draft proposes.
     """
 
     scheduled: list[Scheduled] = field(default_factory=list)
@@ -72,7 +81,36 @@ class SchedulerOutput:
     swapped_out: list[SwapOut] = field(default_factory=list)
     swapped_in: list[SwapIn] = field(default_factory=list)
     hold_until: float | None = None
+    draft_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A running sequence's allocation as a step leaves it: slots allocated, slots of the
+    blocks it holds (region slack included) and its block table."""
+
+    seq: Request
+    num_tokens: int
+    held_slots: int
+    table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """The scheduler's view of memory and queues for one step (``Scheduler.stats``): what
+    the recorder reads, so it touches neither the allocator nor the queues.
+
+    ``unusable_free_blocks``: free blocks that cannot serve the request next in line (runs
+    or buddies too small for its region; 0 when nobody waits)."""
+
+    blocks: AllocatorStats
+    running: tuple[Holding, ...]
+    num_waiting: int
+    num_swapped: int
+    unusable_free_blocks: int
+    draft_blocks_used: int
+    window_blocks_used: int

@@ -31,7 +31,7 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.engine import LLMEngine
+from harness.engine import LLMEngine, build_engine
 from harness.engine.sampling import SamplingParams
 from harness.platform import blas
 from harness.platform.models import LoadedModel, random_model
@@ -85,7 +85,7 @@ def run_engine(
     """(seconds until every request has a token, seconds after, share outside the forward)."""
     longest = max(len(p) + n for p, n in zip(prompts, new, strict=True))
     need = sum(-(-(len(p) + n) // block_size) for p, n in zip(prompts, new, strict=True))
-    engine = LLMEngine.build(
+    engine = build_engine(
         loaded,
         allocator,
         partial(

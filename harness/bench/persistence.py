@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from allocators.free_list import FreeListAllocator
-from harness.engine import LLMEngine, persistence
+from harness.engine import LLMEngine, build_engine, persistence
 from harness.engine.sampling import SamplingParams
 from harness.platform.models import LoadedModel, random_model
 from schedulers.fcfs import FCFSScheduler
@@ -38,7 +38,7 @@ ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
 def _engine(loaded: LoadedModel, length: int) -> LLMEngine:
-    engine = LLMEngine.build(
+    engine = build_engine(
         loaded,
         FreeListAllocator,
         FCFSScheduler,

@@ -41,7 +41,7 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.sampling import SamplingParams
 from harness.platform.models import LoadedModel, random_model
 from schedulers.priority import PriorityScheduler
@@ -62,7 +62,7 @@ def one_preemption(loaded: LoadedModel, allocator: str, mode: str, length: int) 
     num_blocks = blocks_for(length + SLACK, BLOCK_SIZE)
     if allocator == "buddy":  # one chunk, so that the intruder fits the arena alone
         num_blocks = 1 << (num_blocks - 1).bit_length()
-    engine = LLMEngine.build(
+    engine = build_engine(
         loaded,
         ALLOCATORS[allocator],
         partial(PriorityScheduler, preemption_mode=mode, max_num_seqs=2),

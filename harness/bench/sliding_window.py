@@ -27,11 +27,11 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.sampling import SamplingParams
-from harness.engine.window import ring_blocks
 from harness.platform.models import LoadedModel, random_model
 from schedulers.fcfs import FCFSScheduler
+from schedulers.kv_groups import ring_blocks
 
 ALLOCATORS = {
     "free_list": FreeListAllocator,
@@ -61,7 +61,7 @@ def mlx_lm_tokens(model: LoadedModel, prompt: list[int], max_tokens: int) -> lis
 
 def run(model: LoadedModel, allocator, prompts, args) -> tuple[list[list[int]], int]:
     """Every prompt's tokens, and the most ring blocks one sequence held at a step."""
-    engine = LLMEngine.build(
+    engine = build_engine(
         model,
         allocator,
         partial(FCFSScheduler, max_num_seqs=args.batch),

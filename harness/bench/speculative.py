@@ -35,7 +35,7 @@ import numpy as np
 from mlx_lm.generate import generate_step, speculative_generate_step
 
 from allocators.free_list import FreeListAllocator
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.sampling import SamplingParams
 from harness.engine.speculative import Speculation, random_draft
 from harness.platform.models import LoadedModel, noisy_copy, random_model
@@ -81,7 +81,7 @@ def leviathan(a: float, k: int, c: float) -> float:
 
 def run_kvbench(target: LoadedModel, prompt: list[int], n: int, draft=None, k: int = 0) -> Run:
     speculative = None if draft is None else Speculation(num_draft_tokens=k, draft=draft)
-    engine = LLMEngine.build(
+    engine = build_engine(
         target,
         FreeListAllocator,
         partial(FCFSScheduler, max_num_seqs=1),

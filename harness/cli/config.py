@@ -34,7 +34,7 @@ SETTINGS = {
 # Arguments the harness passes when it builds a part, so the config must not set them.
 RUNTIME_ARGS = {
     "allocator": {"num_blocks", "block_size"},
-    "scheduler": {"allocator", "max_model_len", "num_lookahead_slots", "read_prefix_cache"},
+    "scheduler": {"allocator", "max_model_len", "num_lookahead_slots", "draft", "window"},
     "engine": {"model", "allocator", "scheduler", "speculative"},
     "sampling": {"max_tokens", "ignore_eos"},
 }

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import hydra
 import mlx.core as mx
@@ -34,24 +34,18 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from allocators.base import BlockAllocator
 from harness.analysis import results
 from harness.analysis.metrics import format_summary, requests_frame, steps_frame, summarize
 from harness.cli.config import validate
 from harness.cli.replay import check_trace, replay, sampling_params
 from harness.engine import LLMEngine
-from harness.engine.clock import VirtualClock, WallClock
-from harness.engine.sampling import LogprobsMode, SamplingParams, SamplingParamsError
-from harness.engine.speculative import Speculation
+from harness.engine.sampling import SamplingParams, SamplingParamsError
 from harness.platform import machine
-from harness.platform.models import LoadedModel
 from harness.workload.traces import Trace, max_prefix_hit_rate
-from schedulers.base import Scheduler
 
 log = logging.getLogger(__name__)
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
-CLOCKS = {"virtual": VirtualClock, "wall": WallClock}
 WARMUP_TOKENS = 8  # output tokens per warm-up request: a few decode steps
 
 # conf/hydra/launcher/{ray,submitit_slurm}.yaml keep the plugins' option names, so Hydra
@@ -79,38 +73,6 @@ class UsageError(Exception):
 
 class SweepMismatchError(RuntimeError):
     """A sweep job's folder holds a finished run of different overrides."""
-
-
-def build_engine(
-    model: LoadedModel,
-    allocator: Callable[..., BlockAllocator],
-    scheduler: Callable[..., Scheduler],
-    *,
-    block_size: int = 16,
-    num_blocks: int | None = None,
-    kv_cache_bytes: int | None = None,
-    max_model_len: int | None = None,
-    speculative: Speculation | None = None,
-    clock: Literal["virtual", "wall"] = "virtual",
-    seed: int = 0,
-    pipeline: bool = False,
-    logprobs_mode: LogprobsMode = "raw_logprobs",
-) -> LLMEngine:
-    """The ``engine`` config group's target: ``LLMEngine.build`` with the clock named."""
-    return LLMEngine.build(
-        model,
-        allocator,
-        scheduler,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        kv_cache_bytes=kv_cache_bytes,
-        max_model_len=max_model_len,
-        speculative=speculative,
-        clock=CLOCKS[clock](),
-        seed=seed,
-        pipeline=pipeline,
-        logprobs_mode=logprobs_mode,
-    )
 
 
 def run(

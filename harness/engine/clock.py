@@ -72,3 +72,7 @@ class WallClock:
         delay = t - self.now()
         if delay > 0:
             time.sleep(delay)
+
+
+# The clocks by the name ``engine.clock`` gives (harness.engine.builder.build_engine).
+CLOCKS: dict[str, type[Clock]] = {"virtual": VirtualClock, "wall": WallClock}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -51,6 +52,28 @@ class Forward:
     graph_time: float  # building the model's lazy graph
 
 
+class Runner(Protocol):
+    """The engine's seam to whatever computes a step: run the plan's rows and move blocks.
+
+    ``ModelRunner`` runs the model; a runner without a model (a cost model's clock, say)
+    stands in by taking the same calls. The engine calls, per step: the block moves the plan
+    asks for (``swap_out``, ``copy_blocks``, ``swap_in``), then ``forward`` over the rows,
+    ``launch`` (start computing, return at once) and ``wait`` (block until done). Logits
+    come back in ``Forward.logits``, one row per logit each ``Row`` asks for."""
+
+    def forward(self, rows: Sequence[Row], carried: mx.array | None = None) -> Forward: ...
+
+    def launch(self, outputs: Sequence[mx.array]) -> None: ...
+
+    def wait(self, outputs: Sequence[mx.array]) -> None: ...
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None: ...
+
+    def swap_out(self, blocks: Sequence[int]) -> HostBlocks: ...
+
+    def swap_in(self, host: HostBlocks, blocks: Sequence[int], first: int = 0) -> None: ...
+
+
 class ModelRunner:
     """Owns MLX for one model and its arena: applies block copies, runs forwards.
 
@@ -71,6 +94,7 @@ class ModelRunner:
         self.key_cost = 1.0 / (KEYS_PER_TOKEN_COST * loaded.model.args.hidden_size)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Apply (src, dst) block copies (relocation, copy-on-write, forks)."""
         self.arena.copy_blocks(copies)
 
     def swap_out(self, blocks: Sequence[int]) -> HostBlocks:

@@ -19,17 +19,11 @@ allocation live at their step has ended; ``steps`` resolves the rest as of the l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 
-from allocators.base import BlockAllocator
 from harness.engine.request import Sequence
 from harness.engine.speculative import Verifications
-from schedulers.request import Status
-
-if TYPE_CHECKING:
-    from schedulers.base import Scheduler, SchedulerOutput
+from schedulers.output import KVStats, SchedulerOutput
 
 
 class _Holding:
@@ -45,17 +39,7 @@ class _Holding:
 class Recorder:
     """Collects per-step and per-request rows (a no-op when disabled, e.g. in benchmarks)."""
 
-    def __init__(
-        self,
-        allocator: BlockAllocator,
-        draft_allocator: BlockAllocator | None = None,
-        window_allocator: BlockAllocator | None = None,
-        *,
-        enabled: bool = True,
-    ):
-        self.allocator = allocator
-        self.draft_allocator = draft_allocator  # the draft model's KV (speculative decoding)
-        self.window_allocator = window_allocator  # sliding-window layers' rings
+    def __init__(self, *, enabled: bool = True):
         self.enabled = enabled
         self.requests: list[dict] = []
         self._rows: list[dict] = []
@@ -98,15 +82,15 @@ class Recorder:
         }
         self.requests.append(row | columns)
 
-    def snapshot(self, scheduler: Scheduler, plan: SchedulerOutput) -> dict | None:
-        """The step's KV memory, token split and queue figures. Taken after scheduling and
-        before the step's outputs are processed (while its forward computes, so the
-        bookkeeping overlaps the model): the plan's allocations are made, its writes are
-        about to happen, and each sequence's ``num_computed_tokens`` is still pre-step."""
-        if not self.enabled:
+    def snapshot(self, stats: KVStats | None, plan: SchedulerOutput) -> dict | None:
+        """The step's KV memory, token split and queue figures, from the scheduler's
+        ``stats`` (None when recording is off). Taken after scheduling and before the step's
+        outputs are processed (while its forward computes, so the bookkeeping overlaps the
+        model): the plan's allocations are made, its writes are about to happen, and each
+        sequence's ``num_computed_tokens`` is still pre-step."""
+        if stats is None:
             return None
-        alloc = self.allocator
-        stats = alloc.stats()
+        blocks = stats.blocks
         new = {id(s.seq): s.num_new_tokens for s in plan.scheduled}
         prefill = 0
         for s in plan.scheduled:
@@ -120,43 +104,39 @@ class Recorder:
                 prefill += fed
         row: dict = {}
         unwritten = 0  # allocated slots not written by the end of this step
-        for seq in scheduler.running:
+        for held in stats.running:
+            seq = held.seq
             written = seq.num_computed_tokens + new.get(id(seq), 0)
-            unwritten += alloc.num_tokens(seq.request_id) - written
+            unwritten += held.num_tokens - written
             holding = self._live.get((seq, seq.preemptions))
             if holding is None:
                 holding = self._live[seq, seq.preemptions] = _Holding()
-            holding.entries.append((row, alloc.held_slots(seq.request_id), written))
+            holding.entries.append((row, held.held_slots, written))
             holding.written = written
-        tokens = stats.used_slots - unwritten
+        tokens = blocks.used_slots - unwritten
         # External fragmentation as the vLLM paper means it: free blocks that cannot serve
         # the request next in line (runs or buddies too small for its region).
-        head = scheduler.next_incoming()
-        unusable = 0
-        if head is not None:
-            need = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
-            unusable = alloc.unusable_free_blocks(need, head.request_id)
-        tables = [alloc.block_table(seq.request_id) for seq in scheduler.running]
-        refs = sum(map(len, tables))
-        bs = stats.block_size
+        unusable = stats.unusable_free_blocks
+        refs = sum(len(held.table) for held in stats.running)
+        bs = blocks.block_size
         row.update(
             prefill_tokens=prefill,
-            num_waiting=len(scheduler.waiting),
-            num_running=len(scheduler.running),
-            num_swapped=len(scheduler.swapped),
-            blocks_used=stats.used_blocks,
-            blocks_free=stats.free_blocks,
-            blocks_cached=stats.cached_blocks,
+            num_waiting=stats.num_waiting,
+            num_running=len(stats.running),
+            num_swapped=stats.num_swapped,
+            blocks_used=blocks.used_blocks,
+            blocks_free=blocks.free_blocks,
+            blocks_cached=blocks.cached_blocks,
             block_refs=refs,
-            blocks_shared=refs - len(set().union(*tables)),
+            blocks_shared=refs - len(set().union(*(held.table for held in stats.running))),
             slots_tokens=tokens,
             slots_future=0,  # completed as the allocations live now end (_settle)
-            slots_internal=stats.reserved_slots - tokens,
+            slots_internal=blocks.reserved_slots - tokens,
             slots_external=unusable * bs,
-            slots_total=stats.num_blocks * bs,
-            external_fragmentation=unusable / stats.free_blocks if stats.free_blocks else 0.0,
-            draft_blocks_used=draft.stats().used_blocks if (draft := self.draft_allocator) else 0,
-            window_blocks_used=ring.stats().used_blocks if (ring := self.window_allocator) else 0,
+            slots_total=blocks.num_blocks * bs,
+            external_fragmentation=unusable / blocks.free_blocks if blocks.free_blocks else 0.0,
+            draft_blocks_used=stats.draft_blocks_used,
+            window_blocks_used=stats.window_blocks_used,
             mlx_active_bytes=mx.get_active_memory(),
         )
         # Allocations live at the previous step and not now have ended: settle them.

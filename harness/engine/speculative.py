@@ -17,8 +17,10 @@ bans, temperature, top-k/top-p/min-p), with the context each position actually h
 Speculative decoding is an engine feature (config group ``speculative/``): the engine builds
 the draft model and its allocator like the target's (same allocator policy, same number of
 blocks, so it holds every running sequence), counts the draft's KV in the run's budget, and
-sets the scheduler's ``num_lookahead_slots``. A sequence's draft KV is dropped when the
-scheduler releases the sequence (finish, abort, preemption).
+sets the scheduler's ``num_lookahead_slots``. The scheduler owns the draft's allocator as it
+owns the target's (``schedulers/kv_groups.py``): it reserves the draft's slots when it widens
+a decode, rolls them back to the accepted tokens and drops them when the sequence leaves the
+device (finish, abort, preemption). The proposer only reads the draft's block tables.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from harness.engine.sampling import (
     logprob_values,
 )
 from harness.platform.models import LoadedModel, random_model
+from schedulers.output import Scheduled
 
 # The sampler's view of a sequence with some draft tokens appended (the engine's _sample_row).
 RowFor = Callable[[Seq, Sequence[int]], SampleRow]
@@ -112,33 +115,26 @@ def random_draft(
 
 
 class DraftProposer:
-    """Runs the draft model over its own paged KV arena and proposes tokens per sequence."""
+    """Runs the draft model over its own paged KV arena and proposes tokens per sequence.
+
+    ``allocator``: the draft's, owned by the scheduler; the proposer reads its tables."""
 
     def __init__(self, draft: LoadedModel, allocator: BlockAllocator) -> None:
         self.model = draft
         self.allocator = allocator
         self.arena = KVArena.for_model(draft, allocator.num_blocks, allocator.block_size)
         self.runner = ModelRunner(draft, self.arena)
-        self._computed: dict[str, int] = {}  # tokens of each sequence with draft KV
 
-    def propose(self, work: Sequence[tuple[Seq, int]], row_for: RowFor) -> list[Proposal]:
-        """Up to ``k`` draft tokens for each ``(seq, k)``; fewer (none) when the draft's arena
-        has no room for the sequence, which the verification handles like any proposal."""
+    def propose(self, work: Sequence[Scheduled], row_for: RowFor) -> list[Proposal]:
+        """``s.num_draft_tokens`` draft tokens for each verification ``s`` of the plan; the
+        scheduler gave the draft slots for them (``Scheduled.draft_start`` on)."""
         proposals = [Proposal() for _ in work]
-        live = []
-        for i, (seq, k) in enumerate(work):
-            # Slots for the catch-up tokens and x_1 .. x_{k-1}; x_k is never fed to the draft.
-            grown = self.allocator.allocate(seq.request_id, seq.num_tokens + k - 1)
-            if grown is not None:
-                self.runner.copy_blocks(grown.copies)  # a region allocator may relocate
-                self._computed.setdefault(seq.request_id, 0)
-                live.append(i)
-        for j in range(max((work[i][1] for i in live), default=0)):
-            batch = [i for i in live if work[i][1] > j]
-            rows = [self._row(work[i][0], proposals[i], j) for i in batch]
+        for j in range(max((s.num_draft_tokens for s in work), default=0)):
+            batch = [i for i, s in enumerate(work) if s.num_draft_tokens > j]
+            rows = [self._row(work[i], proposals[i], j) for i in batch]
             table = np.array(self.runner.run(rows))
             for b, i in enumerate(batch):
-                seq, proposal = work[i][0], proposals[i]
+                seq, proposal = work[i].seq, proposals[i]
                 row = row_for(seq, proposal.tokens)
                 logits = adjust_logits(table[b], row)
                 if row.params.greedy:
@@ -147,29 +143,14 @@ class DraftProposer:
                     q = _normalised(filtered_probs(logits, row.params))
                     proposal.tokens.append(_draw(q, row.rng))
                     proposal.probs.append(q)
-        for i in live:
-            seq, k = work[i]
-            self._computed[seq.request_id] = seq.num_tokens + k - 1
         return proposals
 
-    def _row(self, seq: Seq, proposal: Proposal, j: int) -> Row:
+    def _row(self, s: Scheduled, proposal: Proposal, j: int) -> Row:
+        seq = s.seq
         table = self.allocator.block_table(seq.request_id)
         if j == 0:  # catch up with the sequence: its new tokens (the whole prompt at first)
-            done = self._computed[seq.request_id]
-            return Row(seq.token_ids[done:], done, table)
+            return Row(seq.token_ids[s.draft_start :], s.draft_start, table)
         return Row([proposal.tokens[-1]], seq.num_tokens + j - 1, table)
-
-    def rollback(self, request_id: str, num_tokens: int) -> None:
-        """Keep draft KV for at most the first ``num_tokens`` tokens (the accepted ones)."""
-        if request_id in self._computed:
-            keep = min(self._computed[request_id], num_tokens)
-            self._computed[request_id] = keep
-            self.allocator.trim(request_id, keep)
-
-    def release(self, request_id: str) -> None:
-        """Drop a sequence's draft KV (a no-op for a sequence the draft never saw)."""
-        self.allocator.free(request_id)
-        self._computed.pop(request_id, None)
 
 
 def verify(

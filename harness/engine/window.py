@@ -3,7 +3,7 @@
 A sliding-window layer (mlx_lm's ``RotatingKVCache``) lets each query attend to the last
 ``window`` positions, itself included. Its layers live in an arena of their own, over an
 allocator of their own built by the engine's allocator partial; a sequence's window table is a
-ring of k = ceil(window / block_size) + 1 blocks, allocated whole at its first step::
+ring of k = ceil(window / block_size) + 1 blocks, allocated whole when it comes on the device::
 
     logical block j (positions j*bs .. j*bs+bs-1) lives in ring slot j mod k
 
@@ -17,121 +17,78 @@ ring is read before it is written (mlx_lm's prefill likewise keeps ``window - 1`
 chunk). Only the chunk's last ``k * block_size`` positions are written. The mask keeps key
 position p for query q iff ``q - window < p <= q``: mlx_lm's window, in prefill and decode.
 
-Every ring is the same size, so the group's arena holds one per running sequence
-(``max_num_seqs`` rings of what one costs under the allocator: buddy rounds k up to a power of
-two) and an allocation never fails. The scheduler does not see this group: its allocator is
-the full-attention layers'. A sequence leaving the device (finish, abort, preemption) gives
-its ring back; a swapped-out one keeps a host copy, written back whole at swap-in; a fork
-copies its parent's ring (a shared ring would be overwritten in place by both).
+The rings' allocator is the scheduler's (``schedulers/kv_groups.py``, ``WindowRings``): it
+holds one ring per running sequence, takes a sequence's ring when it comes on the device and
+gives it back when it leaves. This group holds the window layers' arena and moves their KV: a
+swapped-out sequence's ring goes to a host copy (``SwapOut.ring``) and is written back whole
+into its new ring at swap-in (``SwapIn.ring``); a fork copies its parent's ring into its own
+(a shared ring would be overwritten in place by both).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from allocators.base import BlockAllocator
 from harness.engine.kv_cache import HostBlocks, KVArena
 from harness.platform.models import LoadedModel
-
-
-def ring_blocks(window: int, block_size: int) -> int:
-    """Blocks in a ring: the window's positions span at most ceil(window / bs) + 1 blocks."""
-    return -(-window // block_size) + 1
+from schedulers.kv_groups import WindowRings
 
 
 class WindowGroup:
-    """The window layers' arena and allocator, and each running sequence's ring."""
+    """The window layers' arena, the host copies of swapped-out rings, and the rings'
+    tables as the scheduler's ``WindowRings`` hands them out."""
 
-    def __init__(
-        self,
-        model: LoadedModel,
-        allocator: Callable[..., BlockAllocator],
-        *,
-        block_size: int,
-        max_num_seqs: int,
-    ) -> None:
+    def __init__(self, model: LoadedModel, rings: WindowRings) -> None:
         self.window = model.window
-        self.max_num_seqs = max_num_seqs
         self.layers = model.window_layers
-        self.ring = ring_blocks(model.window, block_size)
-        # A region allocator reserving max_len slots reserves the ring: nothing more is used.
-        options = {"max_len": self.ring * block_size} if _takes(allocator, "max_len") else {}
-        self.blocks_per_ring = blocks_per_ring(allocator, self.ring, block_size, options)
-        self.allocator = allocator(
-            num_blocks=max_num_seqs * self.blocks_per_ring, block_size=block_size, **options
-        )
+        self.rings = rings
         self.arena = KVArena(
             num_layers=len(self.layers),
-            num_blocks=self.allocator.num_blocks,
-            block_size=block_size,
+            num_blocks=rings.allocator.num_blocks,
+            block_size=rings.allocator.block_size,
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
             dtype=model.dtype,
         )
-        self._rings: dict[str, Sequence[int]] = {}  # running sequences' rings (fixed tables)
         self._host: dict[str, HostBlocks] = {}  # swapped-out sequences' rings
-        # Rings given back this step, readable until the step's swap-outs have copied them
-        # (no ring is allocated before then).
-        self._released: dict[str, list[int]] = {}
+
+    @property
+    def allocator(self):
+        """The rings' allocator (the scheduler's; read here, never called)."""
+        return self.rings.allocator
+
+    @property
+    def blocks_per_ring(self) -> int:
+        return self.rings.blocks_per_ring
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.allocator.num_blocks // self.rings.blocks_per_ring
 
     def table(self, seq_id: str) -> Sequence[int]:
-        """``seq_id``'s ring, allocated (whole) when it has none."""
-        ring = self._rings.get(seq_id)
-        return self._allocate(seq_id) if ring is None else ring
-
-    def release(self, seq_id: str) -> None:
-        """``seq_id`` left the device (a scheduler release listener): its ring goes back; a
-        host copy of a sequence that finishes while swapped out goes too."""
-        self._host.pop(seq_id, None)
-        ring = self._rings.pop(seq_id, None)
-        if ring is not None:
-            self._released[seq_id] = list(ring)
-            self.allocator.free(seq_id)
+        """``seq_id``'s ring (it runs, so it has one)."""
+        return self.rings.table(seq_id)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """``child_id`` continues from ``parent_id``'s KV: a copy of the parent's ring."""
-        parent = self._rings[parent_id]
-        child = self._allocate(child_id)
-        self.arena.copy_blocks(list(zip(parent, child, strict=True)))
+        pairs = zip(self.rings.table(parent_id), self.rings.table(child_id), strict=True)
+        self.arena.copy_blocks(list(pairs))
 
-    def swap_out(self, seq_id: str) -> None:
+    def swap_out(self, seq_id: str, ring: Sequence[int]) -> None:
         """Copy the ring ``seq_id`` gave back this step to host memory."""
-        self._host[seq_id] = self.arena.swap_out(self._released[seq_id])
+        self._host[seq_id] = self.arena.swap_out(ring)
 
-    def swap_in(self, seq_id: str) -> None:
-        """Write a swapped-out sequence's ring back, slot for slot, into a new ring."""
-        self.arena.swap_in(self._host.pop(seq_id), self._allocate(seq_id))
+    def swap_in(self, seq_id: str, ring: Sequence[int]) -> None:
+        """Write a swapped-out sequence's ring back, slot for slot, into its new ring."""
+        self.arena.swap_in(self._host.pop(seq_id), ring)
 
-    def moved(self) -> None:
-        """The step's swaps are done: rings given back may be reused."""
-        self._released.clear()
-
-    def _allocate(self, seq_id: str) -> Sequence[int]:
-        alloc = self.allocator
-        if alloc.allocate(seq_id, self.ring * alloc.block_size) is None:
-            raise RuntimeError(
-                f"the window group has no ring for {seq_id!r}: it holds one per running "
-                f"sequence ({alloc.num_blocks} blocks); more sequences run than max_num_seqs"
-            )
-        ring = self._rings[seq_id] = alloc.block_table(seq_id)
-        return ring
-
-
-def blocks_per_ring(
-    allocator: Callable[..., BlockAllocator], ring: int, block_size: int, options: dict
-) -> int:
-    """Blocks one ring of ``ring`` blocks holds under ``allocator`` (region rounding)."""
-    probe = allocator(num_blocks=1 << (ring - 1).bit_length(), block_size=block_size, **options)
-    probe.allocate("ring", ring * block_size)
-    return probe.held_slots("ring") // block_size
-
-
-def _takes(allocator: Callable, name: str) -> bool:
-    return name in getattr(allocator, "keywords", {})
+    def drop(self, seq_id: str) -> None:
+        """``seq_id`` finished: a host copy it left while swapped out goes."""
+        self._host.pop(seq_id, None)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from allocators.base import BlockAllocator
 from allocators.free_list import FreeListAllocator
 from harness.cli.config import ConfigError, validate
 from harness.cli.run import CONFIG_DIR, UsageError, run
-from harness.engine import LLMEngine
+from harness.engine import LLMEngine, build_engine
 from harness.platform.models import LoadedModel, random_model
 from harness.workload.traces import Trace, TraceError, load, save
 from schedulers.base import Scheduler
@@ -99,15 +99,13 @@ def test_a_long_max_model_len_raises_the_default_token_budget(compose_cfg, polic
 def test_max_model_len_defaults_to_and_stays_within_the_models_positions() -> None:
     short = random_model("llama", "tiny", max_position_embeddings=128)
     assert (
-        LLMEngine.build(
-            short, FreeListAllocator, FCFSScheduler, num_blocks=8
-        ).scheduler.max_model_len
+        build_engine(short, FreeListAllocator, FCFSScheduler, num_blocks=8).scheduler.max_model_len
         == 128
     )
     with pytest.raises(
         ValueError, match=r"engine\.max_model_len=256 exceeds .*max_position_embeddings=128"
     ):
-        LLMEngine.build(short, FreeListAllocator, FCFSScheduler, num_blocks=8, max_model_len=256)
+        build_engine(short, FreeListAllocator, FCFSScheduler, num_blocks=8, max_model_len=256)
 
 
 @pytest.mark.parametrize("name", [t for t in options("trace") if t != "file"])

@@ -13,7 +13,7 @@ from reference import beam_search_reference, mlx_lm_tokens
 from test_engine import ALLOCATORS, assert_all_free
 
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.beam_search import BeamGroup, BeamSearchParams, score, top_candidates
 from harness.engine.request import Sequence
 from harness.engine.sampling import SamplingParams, SamplingParamsError
@@ -29,7 +29,7 @@ def prompts():
 
 
 def engine(model, allocator, num_blocks=128, **kwargs):
-    return LLMEngine.build(
+    return build_engine(
         model, allocator, partial(FCFSScheduler, **kwargs), block_size=8, num_blocks=num_blocks
     )
 

@@ -20,8 +20,7 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.engine import LLMEngine, RequestError
-from harness.engine.clock import WallClock
+from harness.engine import RequestError, build_engine
 from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.sampling import SamplingParams, sample
@@ -46,7 +45,7 @@ def reference(model, prompts):
 
 
 def make_engine(model, allocator, *, block_size, num_blocks, max_num_seqs=8, **alloc_kwargs):
-    return LLMEngine.build(
+    return build_engine(
         model,
         partial(allocator, **alloc_kwargs),
         partial(FCFSScheduler, max_num_seqs=max_num_seqs),
@@ -259,9 +258,7 @@ def test_a_token_is_stamped_when_it_exists_after_sampling(model, prompts, monkey
 
 def test_a_request_from_another_thread_arrives_when_it_is_handed_over(model, prompts):
     """Arrival is stamped before add_request waits for the engine's lock, not after."""
-    engine = LLMEngine.build(
-        model, FreeListAllocator, FCFSScheduler, num_blocks=64, clock=WallClock()
-    )
+    engine = build_engine(model, FreeListAllocator, FCFSScheduler, num_blocks=64, clock="wall")
     with engine._lock:  # a step in progress
         handed_over = engine.clock.now()
         client = threading.Thread(target=engine.add_request, args=("a", prompts[1], GREEDY))

@@ -16,7 +16,7 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.sampling import SamplingParams
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
@@ -25,7 +25,7 @@ PARTS = ("slots_tokens", "slots_future", "slots_internal", "slots_external")
 
 
 def _engine(model, allocator, *, num_blocks, scheduler=FCFSScheduler, max_model_len=256):
-    return LLMEngine.build(
+    return build_engine(
         model,
         allocator,
         scheduler,

@@ -18,7 +18,7 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.sampling import (
     Logprob,
     SampleRow,
@@ -127,9 +127,7 @@ def test_a_bad_logprobs_mode_is_named(model):
 
 
 def build(model, allocator, scheduler=FCFSScheduler, num_blocks=64, **kwargs):
-    return LLMEngine.build(
-        model, allocator, scheduler, block_size=16, num_blocks=num_blocks, **kwargs
-    )
+    return build_engine(model, allocator, scheduler, block_size=16, num_blocks=num_blocks, **kwargs)
 
 
 def prompts_of(*lengths, seed=3):

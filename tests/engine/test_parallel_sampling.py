@@ -13,7 +13,7 @@ from reference import mlx_lm_tokens
 from test_engine import ALLOCATORS, assert_all_free
 
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.sampling import SamplingParams, SamplingParamsError
 from schedulers.fcfs import FCFSScheduler
 
@@ -27,7 +27,7 @@ def prompt():
 
 
 def engine(model, allocator, num_blocks=64, **kwargs):
-    return LLMEngine.build(
+    return build_engine(
         model, allocator, partial(FCFSScheduler, **kwargs), block_size=16, num_blocks=num_blocks
     )
 

@@ -19,7 +19,7 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.engine import LLMEngine, RequestError, persistence
+from harness.engine import RequestError, build_engine, persistence
 from harness.engine.persistence import KVFileError, KVRestoreWarning, KVSpec
 from harness.engine.sampling import SamplingParams
 from harness.platform.models import random_model
@@ -37,7 +37,7 @@ def greedy(n: int) -> SamplingParams:
 def make_engine(
     model, allocator=FreeListAllocator, *, block_size=16, scheduler=FCFSScheduler, **kw
 ):
-    return LLMEngine.build(model, allocator, scheduler, block_size=block_size, num_blocks=64, **kw)
+    return build_engine(model, allocator, scheduler, block_size=block_size, num_blocks=64, **kw)
 
 
 def run(engine, request_id, prompt, n, **kv) -> list[int]:
@@ -292,7 +292,7 @@ def test_a_tree_restore_skips_bad_files_and_stops_when_blocks_run_out(model, sna
         (tmp_path / f.name).write_bytes(f.read_bytes())
     first, *_ = sorted(tmp_path.iterdir())
     _corrupt(first)
-    engine = LLMEngine.build(model, RadixAllocator, FCFSScheduler, block_size=16, num_blocks=6)
+    engine = build_engine(model, RadixAllocator, FCFSScheduler, block_size=16, num_blocks=6)
     with pytest.warns(KVRestoreWarning) as caught:
         restored = engine.restore_prefix_cache(tmp_path)
     messages = [str(w.message) for w in caught]

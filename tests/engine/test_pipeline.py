@@ -12,7 +12,7 @@ import pytest
 from reference import mlx_lm_tokens
 from test_engine import ALLOCATORS, assert_all_free
 
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.llm_engine import INFLIGHT
 from harness.engine.sampling import SamplingParams
 from schedulers.fcfs import FCFSScheduler
@@ -34,7 +34,7 @@ def reference(model, prompts):
 
 
 def engine(model, allocator, *, pipeline, num_blocks=64, block_size=16, **scheduler_kwargs):
-    return LLMEngine.build(
+    return build_engine(
         model,
         allocator,
         partial(FCFSScheduler, **scheduler_kwargs),
@@ -45,7 +45,7 @@ def engine(model, allocator, *, pipeline, num_blocks=64, block_size=16, **schedu
 
 
 def test_steps_are_synchronous_by_default(model):
-    built = LLMEngine.build(model, ALLOCATORS[0], FCFSScheduler, num_blocks=8)
+    built = build_engine(model, ALLOCATORS[0], FCFSScheduler, num_blocks=8)
     assert built.pipeline is False
 
 

@@ -24,14 +24,14 @@ from test_engine import ALLOCATORS, assert_all_free
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.engine import LLMEngine, RequestError
+from harness.engine import RequestError, build_engine
 from harness.engine.beam_search import BeamSearchParams
 from harness.engine.sampling import SamplingParams
 from harness.engine.speculative import Speculation
-from harness.engine.window import ring_blocks
 from harness.platform.models import random_model
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
+from schedulers.kv_groups import ring_blocks
 
 ARCHS = ["gemma3_text", "gpt_oss"]
 WINDOW = 16
@@ -59,7 +59,7 @@ def reference(hybrid, prompts):
 
 
 def build(model, allocator=FreeListAllocator, scheduler=FCFSScheduler, num_blocks=128, **kw):
-    return LLMEngine.build(
+    return build_engine(
         model,
         allocator,
         partial(scheduler, **{"max_num_seqs": 4, **kw}),
@@ -154,7 +154,7 @@ def test_chunked_prefill_keeps_tokens_identical(hybrid, prompts, reference, max_
 
 
 def test_pipelined_steps_keep_tokens_identical(hybrid, prompts, reference):
-    engine = LLMEngine.build(
+    engine = build_engine(
         hybrid,
         FreeListAllocator,
         partial(FCFSScheduler, max_num_seqs=4),
@@ -195,7 +195,7 @@ def test_radix_takes_no_prefix_hits(hybrid, prompts):
 
 def test_speculative_decoding_is_refused(hybrid):
     with pytest.raises(ValueError, match="sliding-window layers: speculative"):
-        LLMEngine.build(
+        build_engine(
             hybrid,
             FreeListAllocator,
             FCFSScheduler,
@@ -211,7 +211,7 @@ def test_kv_files_are_refused(hybrid, tmp_path):
 
 
 def test_kv_cache_bytes_pays_for_the_rings_first(hybrid):
-    engine = LLMEngine.build(
+    engine = build_engine(
         hybrid,
         FreeListAllocator,
         partial(FCFSScheduler, max_num_seqs=4),
@@ -248,7 +248,7 @@ def test_kvbench_runs_the_model_configs(kvbench, tmp_path, name):
 
 def test_the_rings_follow_a_policy_default_max_num_seqs(hybrid):
     """max_num_seqs not bound in the partial: the policy's default (32) sizes the rings."""
-    engine = LLMEngine.build(
+    engine = build_engine(
         hybrid, FreeListAllocator, ChunkedPrefillScheduler, block_size=BLOCK_SIZE, num_blocks=64
     )
     assert engine.scheduler.max_num_seqs == engine.window.max_num_seqs == 32

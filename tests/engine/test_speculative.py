@@ -22,7 +22,7 @@ from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.sampling import SampleRow, SamplingParams, adjust_logits, filtered_probs
 from harness.engine.speculative import Proposal, Speculation, accept_or_resample, verify
 from harness.platform.models import noisy_copy, random_model
@@ -62,7 +62,7 @@ def spec_engine(
     logprobs_mode="raw_logprobs",
     **base,
 ):
-    return LLMEngine.build(
+    return build_engine(
         model,
         allocator,
         partial(policy, max_num_seqs=max_num_seqs, **base),
@@ -75,7 +75,7 @@ def spec_engine(
 
 
 def plain_engine(model, **kwargs):
-    return LLMEngine.build(
+    return build_engine(
         model, FreeListAllocator, FCFSScheduler, block_size=16, num_blocks=256, **kwargs
     )
 
@@ -207,7 +207,7 @@ def test_stops_inside_accepted_drafts_drop_what_follows(model, prompts):
 
 def test_model_length_limit_holds_with_drafts(model, prompts):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    plain = LLMEngine.build(
+    plain = build_engine(
         model,
         FreeListAllocator,
         partial(FCFSScheduler, max_num_batched_tokens=128),
@@ -366,7 +366,7 @@ def test_hydra_builds_speculation_for_any_policy(model, prompts, reference):
         },
     }
     speculation = hydra.utils.instantiate(config)
-    engine = LLMEngine.build(
+    engine = build_engine(
         model,
         FreeListAllocator,
         partial(PriorityScheduler, max_num_seqs=4),
@@ -383,8 +383,8 @@ def test_the_draft_kv_is_counted_in_the_budget(model):
     its noisy copy: 4 layers x 2 K/V x 2 heads x 64 x 4 bytes = 4096 bytes per token each);
     the draft's blocks are recorded each step."""
     budget = 64 * 16 * 2 * 4096
-    plain = LLMEngine.build(model, FreeListAllocator, FCFSScheduler, kv_cache_bytes=budget)
-    spec = LLMEngine.build(
+    plain = build_engine(model, FreeListAllocator, FCFSScheduler, kv_cache_bytes=budget)
+    spec = build_engine(
         model,
         FreeListAllocator,
         FCFSScheduler,
@@ -424,7 +424,7 @@ def test_a_draft_without_room_verifies_only_what_it_proposed(model):
     prefix = list(range(1, 257))
     prompts = [prefix + [300 + i] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    plain = LLMEngine.build(model, RadixAllocator, FCFSScheduler, num_blocks=40)
+    plain = build_engine(model, RadixAllocator, FCFSScheduler, num_blocks=40)
     expected = tokens(plain.generate(prompts, params))
     engine = spec_engine(
         model, RadixAllocator, draft=partial(noisy_copy, scale=0.0), k=4, num_blocks=40

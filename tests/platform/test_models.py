@@ -9,7 +9,7 @@ import pytest
 from reference import mlx_lm_tokens
 
 from allocators.free_list import FreeListAllocator
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.sampling import SamplingParams
 from harness.platform.models import describe, random_model
 from schedulers.fcfs import FCFSScheduler
@@ -19,7 +19,7 @@ def test_qwen2_with_gqa_is_token_identical_to_mlx_lm():
     loaded = random_model("qwen2", "tiny", seed=3, num_key_value_heads=1)
     assert loaded.num_kv_heads == 1  # 4 query heads share one KV head
     prompts = [list(range(5, 40)), list(range(100, 103))]
-    engine = LLMEngine.build(loaded, FreeListAllocator, FCFSScheduler, block_size=8, num_blocks=32)
+    engine = build_engine(loaded, FreeListAllocator, FCFSScheduler, block_size=8, num_blocks=32)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for prompt, out in zip(prompts, engine.generate(prompts, params), strict=True):
         assert out.outputs[0].token_ids == mlx_lm_tokens(loaded, prompt, 8)
@@ -69,7 +69,7 @@ def test_unknown_names_are_named(field, value):
 def test_kv_cache_bytes_sizes_the_arena():
     loaded = random_model()
     per_block = 2 * loaded.num_layers * 16 * loaded.num_kv_heads * loaded.head_dim * 4
-    engine = LLMEngine.build(
+    engine = build_engine(
         loaded,
         partial(FreeListAllocator),
         FCFSScheduler,

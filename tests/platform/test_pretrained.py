@@ -15,7 +15,7 @@ from checkpoint import EOS_AT, PROMPT, Checkpoint, write_checkpoint
 from reference import mlx_lm_tokens
 
 from allocators.free_list import FreeListAllocator
-from harness.engine import LLMEngine
+from harness.engine import LLMEngine, build_engine
 from harness.engine.sampling import SamplingParams
 from harness.platform.models import LoadedModel, load_pretrained
 from schedulers.fcfs import FCFSScheduler
@@ -35,9 +35,7 @@ def pretrained(checkpoint: Checkpoint) -> LoadedModel:
 
 @pytest.fixture
 def engine(pretrained: LoadedModel) -> LLMEngine:
-    return LLMEngine.build(
-        pretrained, FreeListAllocator, FCFSScheduler, block_size=8, num_blocks=32
-    )
+    return build_engine(pretrained, FreeListAllocator, FCFSScheduler, block_size=8, num_blocks=32)
 
 
 def test_the_checkpoint_loads_with_its_tokenizer_and_eos(checkpoint, pretrained):

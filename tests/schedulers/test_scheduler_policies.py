@@ -12,7 +12,7 @@ from reference import mlx_lm_tokens
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.kv_cache import KVArena
 from harness.engine.request import Sequence
 from harness.engine.sampling import SamplingParams
@@ -30,7 +30,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def build(model, policy, *, num_blocks, block_size=4, max_model_len=None, **kwargs):
-    return LLMEngine.build(
+    return build_engine(
         model,
         FreeListAllocator,
         partial(policy, **kwargs),

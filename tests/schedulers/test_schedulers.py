@@ -17,7 +17,7 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.engine import LLMEngine
+from harness.engine import build_engine
 from harness.engine.sampling import SamplingParams
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
@@ -64,7 +64,7 @@ def reference(model, prompts):
 
 
 def build(model, allocator, policy, *, num_blocks, block_size=BLOCK, **kwargs):
-    return LLMEngine.build(
+    return build_engine(
         model,
         allocator,
         partial(policy, **kwargs),

@@ -1,0 +1,134 @@
+"""The one engine builder: size the KV arena, build the allocators and the policy, then the
+engine (the ``engine`` config group's ``_target_``, and what scripts and tests call).
+
+    model ──┬── max_model_len (the model's max_position_embeddings at most)
+            ├── draft model (speculative) ── its allocator, as many blocks as the target's
+            ├── window rings (sliding-window layers) ── sized by the policy's max_num_seqs
+            └── num_blocks (given, or what kv_cache_bytes pays for after the rings)
+    allocator(num_blocks, block_size) ── scheduler(allocator, draft=, window=) ── LLMEngine
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Literal
+
+from allocators.base import BlockAllocator
+from harness.engine.clock import CLOCKS
+from harness.engine.llm_engine import LLMEngine
+from harness.engine.sampling import LogprobsMode
+from harness.engine.speculative import DraftProposer, Speculation
+from harness.engine.window import WindowGroup
+from harness.platform.models import LoadedModel
+from schedulers.base import Scheduler
+from schedulers.kv_groups import WindowRings
+
+DEFAULT_MAX_MODEL_LEN = 2048  # for a model whose config sets no max_position_embeddings
+
+
+def build_engine(
+    model: LoadedModel,
+    allocator: Callable[..., BlockAllocator],
+    scheduler: Callable[..., Scheduler],
+    *,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    kv_cache_bytes: int | None = None,
+    max_model_len: int | None = None,
+    speculative: Speculation | None = None,
+    clock: Literal["virtual", "wall"] = "virtual",
+    seed: int = 0,
+    record: bool = True,
+    pipeline: bool = False,
+    logprobs_mode: LogprobsMode = "raw_logprobs",
+) -> LLMEngine:
+    """Size the arena (from ``num_blocks`` or a byte budget), then build the parts.
+
+    ``allocator`` and ``scheduler`` are partials (Hydra's ``_partial_``): the allocator takes
+    ``num_blocks`` and ``block_size``, the scheduler its allocator and what the engine sets.
+    ``max_model_len`` (prompt + output tokens at most) is the model's, given to the
+    scheduler: at most the model's ``max_position_embeddings``, which is also the default
+    (``DEFAULT_MAX_MODEL_LEN`` when the model sets none), as vLLM derives it.
+
+    ``speculative``: a draft model proposes tokens the target verifies. Its KV lives on an
+    allocator built like the target's, with as many blocks, and counts in the budget:
+    ``kv_cache_bytes`` then sizes both arenas (target + draft bytes per block).
+
+    A model with sliding-window layers gets rings (harness/engine/window.py): one per
+    running sequence, ``max_num_seqs`` of them, in an arena of their own; ``num_blocks``
+    counts the full-attention layers' blocks, and ``kv_cache_bytes`` pays for the rings
+    first. Its scheduler reads no prefix cache.
+
+    ``clock``: ``virtual`` or ``wall`` (harness/engine/clock.py). ``seed``,
+    ``record``, ``pipeline`` and ``logprobs_mode`` are ``LLMEngine``'s."""
+    limit = model.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = limit or DEFAULT_MAX_MODEL_LEN
+    elif limit is not None and max_model_len > limit:
+        raise ValueError(
+            f"engine.max_model_len={max_model_len} exceeds model {model.name!r}'s "
+            f"max_position_embeddings={limit}: lower it to {limit} or less"
+        )
+    if (num_blocks is None) == (kv_cache_bytes is None):
+        raise ValueError("set exactly one of engine.num_blocks and engine.kv_cache_bytes")
+    if num_blocks is not None and num_blocks < 1:
+        raise ValueError(f"engine.num_blocks={num_blocks} must be at least 1")
+    if speculative is not None and model.window_layers:
+        raise ValueError(
+            f"model {model.name!r} has sliding-window layers: speculative decoding is not "
+            "supported with them (a rollback would have to restore overwritten ring "
+            "slots); run it without speculative"
+        )
+    draft = speculative.draft_for(model) if speculative is not None else None
+    if draft is not None and draft.window_layers:
+        raise ValueError(
+            f"draft model {draft.name!r} has sliding-window layers: speculative decoding "
+            "needs a draft of full-attention layers only"
+        )
+    window = None
+    if model.window_layers:
+        window = partial(WindowRings, allocator, window=model.window, block_size=block_size)
+
+    def policy(num_blocks: int) -> Scheduler:
+        return scheduler(
+            allocator(num_blocks=num_blocks, block_size=block_size),
+            max_model_len=max_model_len,
+            num_lookahead_slots=speculative.num_draft_tokens if speculative else 0,
+            draft=allocator(num_blocks=num_blocks, block_size=block_size) if draft else None,
+            window=window,
+        )
+
+    if num_blocks is None:
+        rings = 0
+        if window is not None:
+            # The rings come first, one per sequence the policy runs: ask a policy built
+            # over a single block how many that is.
+            ring_blocks = policy(1).rings.allocator.num_blocks
+            rings = ring_blocks * block_size * len(model.window_layers)
+            rings *= model.layer_bytes_per_token()
+            kv_cache_bytes -= rings
+        per_token = model.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft else 0)
+        per_block = per_token * block_size
+        num_blocks = kv_cache_bytes // per_block
+        if num_blocks < 1:
+            after = f" after {rings} for the window rings" if rings else ""
+            raise ValueError(
+                f"engine.kv_cache_bytes leaves {kv_cache_bytes} bytes{after}: no block of "
+                f"{per_block} bytes; raise it"
+            )
+    built = policy(num_blocks)
+    proposer = DraftProposer(draft, built.draft.allocator) if draft is not None else None
+    rings = WindowGroup(model, built.rings) if window is not None else None
+    return LLMEngine(
+        model,
+        built.allocator,
+        built,
+        proposer=proposer,
+        window=rings,
+        clock=CLOCKS[clock](),
+        seed=seed,
+        record=record,
+        pipeline=pipeline,
+        logprobs_mode=logprobs_mode,
+    )

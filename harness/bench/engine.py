@@ -124,9 +124,7 @@ def mixed_workload(vocab: int, num_requests: int, seed: int) -> tuple[list, list
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.bench engine", description=__doc__)
-    parser.add_argument(
-        "--sizes", default="tiny,small", help="models (conf/model/ options), comma list"
-    )
+    parser.add_argument("--sizes", default="tiny,small", help="random model sizes, comma list")
     parser.add_argument("--workloads", default="uniform,mixed", help="uniform and/or mixed")
     parser.add_argument("--batches", default="1,8,32", help="uniform: batch sizes, comma list")
     parser.add_argument("--prompt", type=int, default=128, help="uniform: prompt tokens")

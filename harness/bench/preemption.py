@@ -36,7 +36,7 @@ import statistics
 import numpy as np
 
 from allocators.base import blocks_for
-from harness.bench._components import build, compose_config
+from harness.bench._components import build, compose_config, options
 from harness.engine import LLMEngine
 from harness.engine.sampling import SamplingParams
 from harness.platform.models import LoadedModel
@@ -135,16 +135,14 @@ def main(argv: list[str]) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--sizes", default="tiny,small", help="models (conf/model/ options), comma-separated"
-    )
+    parser.add_argument("--sizes", default="tiny,small", help="random model sizes, comma-separated")
     parser.add_argument(
         "--lengths", default="16,64,256,1024", help="victim lengths in tokens, comma-separated"
     )
     parser.add_argument(
         "--allocators",
         default="free_list,contiguous,buddy",
-        help="allocators (conf/allocator/ options), comma-separated",
+        help=f"allocators, comma-separated, of {', '.join(options('allocator'))}",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per figure")
     parser.add_argument("--csv", help="also write the figures to this CSV file")

@@ -28,6 +28,7 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 
 from harness.bench._components import ALLOCATORS, build, compose_config
+from harness.bench._table import underlined
 from harness.engine import LLMEngine
 from harness.engine.sampling import SamplingParams
 from harness.platform import blas
@@ -166,8 +167,7 @@ def _uniform(loaded, size, rng, args) -> None:
         f"{'model':6} {'batch':>5} {'system':18} {'prefill tok/s':>13} {'decode tok/s':>12} "
         f"{'prefill ratio':>13} {'decode ratio':>12} {'outside fwd':>11}"
     )
-    print(header)
-    print("-" * len(header))
+    print(underlined(header))
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = [rng.integers(1, loaded.vocab_size, args.prompt).tolist() for _ in range(batch)]
         base = None
@@ -193,8 +193,7 @@ def _mixed(loaded, size, args) -> None:
         f"tokens {sum(new)} (max {max(new)})"
     )
     header = f"{'model':6} {'system':18} {'total tok/s':>11} {'ratio':>7} {'outside fwd':>11}"
-    print(header)
-    print("-" * len(header))
+    print(underlined(header))
     base = None
     for name, run in _systems(loaded, prompts, new, args.mixed_batch, args.block_size):
         first_s, rest_s, outside = run()

@@ -10,13 +10,16 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf
 
 import harness  # noqa: F401  (switches MLX to MKL before a test module imports mlx)
+from allocators.base import BlockAllocator
 from harness.cli.run import CONFIG_DIR
 from harness.platform.models import LoadedModel, random_model
 
 ROOT = Path(__file__).resolve().parent.parent  # this checkout
+ALLOCATOR_CONF = Path(CONFIG_DIR) / "allocator"
 
 # Seconds-long experiments: six short requests, a small arena, no progress bar.
 TINY = ("trace=smoke", "engine.num_blocks=64", "progress=false")
@@ -38,6 +41,32 @@ def compose_config(overrides: Sequence[str] = (), *, tiny: bool = True) -> DictC
 def compose_cfg() -> Callable[..., DictConfig]:
     """``compose_cfg(["allocator=radix"])``: a composed config at tiny sizes."""
     return compose_config
+
+
+def _allocator_classes() -> list[type[BlockAllocator]]:
+    """Every class conf/allocator/ targets, once each, the default config's first."""
+    default = compose_config(tiny=False).allocator._target_
+    targets = {OmegaConf.load(p)._target_ for p in ALLOCATOR_CONF.glob("*.yaml")}
+    return [get_class(t) for t in sorted(targets, key=lambda t: (t != default, t))]
+
+
+# The allocators the engine and scheduler tests run every case over: one per class (conf's
+# contiguous_* options are ContiguousAllocator's reservations). Tests needing one take [0].
+ALLOCATORS = _allocator_classes()
+
+
+def allocator_options(max_len: int) -> dict[str, Callable[..., BlockAllocator]]:
+    """Each conf/allocator/ option, instantiated: ``name -> partial(num_blocks, block_size)``,
+    contiguous_max_len reserving ``max_len`` slots. Not contiguous_oracle and contiguous_pow2:
+    they reserve from the scheduler's ``expect`` hint and, without one, as contiguous does."""
+    names = [p.stem for p in ALLOCATOR_CONF.glob("*.yaml")]
+    return {
+        name: instantiate(
+            compose_config([f"allocator={name}", f"engine.max_model_len={max_len}"]).allocator
+        )
+        for name in sorted(names)
+        if name not in ("contiguous_oracle", "contiguous_pow2")
+    }
 
 
 def run_kvbench(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from allocators.base import BlockAllocator, blocks_for
+from harness.bench._table import underlined
 
 MAX_PROMPT, MAX_OUTPUT, SYSTEM_LEN, NUM_SYSTEM_PROMPTS = 1024, 512, 256, 4
 TOKEN_SPACE = 1 << 20  # per-sequence token ids are unique, so only system prompts are shared
@@ -210,7 +211,7 @@ def format_latency(results: list[Result]) -> str:
     """Per-call latency percentiles (microseconds) of growth, admission and free."""
     kinds = ("grow", "admit", "free")
     head = f"{'allocator':<19}" + "".join(f"{k + ' p50':>11}{k + ' p99':>11}" for k in kinds)
-    rows = [head, "-" * len(head)]
+    rows = [underlined(head)]
     for r in results:
         cells = "".join(
             f"{_percentile(r.latency.get(k, []), 0.5) / 1e3:>11.2f}"
@@ -227,7 +228,7 @@ def format_table(results: list[Result]) -> str:
         f"{'allocator':<19}{'ops':>9}{'ops/s':>11}{'us/op':>7}{'steps':>8}{'peak':>6}"
         f"{'util':>6}{'frag':>6}{'reloc':>7}{'copied':>8}{'failed':>8}{'preempt':>8}{'hit':>6}"
     )
-    rows = [head, "-" * len(head)]
+    rows = [underlined(head)]
     for r in results:
         rows.append(
             f"{r.name:<19}{r.ops:>9}{r.ops / r.seconds:>11,.0f}{r.seconds / r.ops * 1e6:>7.2f}"

@@ -36,22 +36,21 @@ import argparse
 import csv
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from hydra import compose, initialize_config_dir
 from mlx_lm.generate import BatchGenerator
 from omegaconf import DictConfig
 
 from harness.analysis.metrics import steps_frame
+from harness.bench._components import build, compose_config
 from harness.cli.replay import replay
-from harness.cli.run import _build, warm_up
+from harness.cli.run import warm_up
 from harness.engine import LLMEngine
 from harness.workload.traces import Trace
 
 FIELDS = ("allocated", "tokens", "peak_allocated", "active", "tokens_per_s")
-CONF = Path(__file__).resolve().parents[2] / "conf"
+EXPERIMENT = "experiment=padding_waste"  # composed under every run's overrides
 MIB = 2**20
 
 
@@ -68,12 +67,6 @@ class Memory:
     @property
     def utilisation(self) -> float:
         return self.tokens / self.allocated if self.allocated else float("nan")
-
-
-def compose_config(overrides: list[str]) -> DictConfig:
-    """kvbench's config for ``experiment=padding_waste`` plus ``overrides``."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="bench"):
-        return compose(config_name="config", overrides=["experiment=padding_waste", *overrides])
 
 
 def cache_bytes(gen: BatchGenerator) -> tuple[int, int]:
@@ -140,13 +133,13 @@ def run_batch_generator(cfg: DictConfig, model, trace: Trace) -> Memory:
 def run_kvbench(cfg: DictConfig, model, trace: Trace) -> tuple[Memory, float]:
     """Replay ``trace`` through LLMEngine as ``cfg`` configures it; (its memory, arena bytes)."""
 
-    def build() -> LLMEngine:
-        return _build(cfg.engine)(model, _build(cfg.allocator), _build(cfg.scheduler))
+    def new_engine() -> LLMEngine:
+        return build(cfg.engine)(model, build(cfg.allocator), build(cfg.scheduler))
 
-    sampling = _build(cfg.sampling)
+    sampling = build(cfg.sampling)
     if cfg.warmup:
-        warm_up(build(), trace, cfg.warmup, sampling)
-    engine = build()
+        warm_up(new_engine(), trace, cfg.warmup, sampling)
+    engine = new_engine()
     start = time.perf_counter()
     replay(engine, trace, sampling=sampling, progress=False)
     wall = time.perf_counter() - start
@@ -172,16 +165,16 @@ def measure(
 ) -> tuple[dict[str, Memory], dict]:
     """Every system's ``Memory`` on the composed trace, interleaved ``rounds`` times (the fastest
     throughput kept); and facts for the header."""
-    cfg = compose_config(overrides)
-    model = _build(cfg.model)
-    trace = _build(cfg.trace.generator)
+    cfg = compose_config([EXPERIMENT, *overrides])
+    model = build(cfg.model)
+    trace = build(cfg.trace.generator)
     out: dict[str, Memory] = {}
     arena = 0
     for _ in range(rounds):
         results = {"BatchGenerator": run_batch_generator(cfg, model, trace)}
         for name in allocators:
             results[name], arena = run_kvbench(
-                compose_config([*overrides, f"allocator={name}"]), model, trace
+                compose_config([EXPERIMENT, *overrides, f"allocator={name}"]), model, trace
             )
         for name, m in results.items():
             if name in out and out[name].tokens_per_s > m.tokens_per_s:

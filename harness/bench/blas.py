@@ -15,26 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
+
+from harness.bench._timing import median_seconds
 
 # (M, K, N): a prefill-like MLP projection, a square reference, and a batch-32 decode step.
 SIZES: list[tuple[int, int, int]] = [(512, 1024, 2816), (1024, 1024, 1024), (32, 1024, 2816)]
-
-
-def _time_gemm(run: Callable[[], object], trials: int) -> float:
-    """Median wall time of ``run()`` over ``trials`` calls, after one untimed warm-up."""
-    run()
-    times = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _worker_mlx(trials: int) -> dict[str, Any]:
@@ -51,7 +39,7 @@ def _worker_mlx(trials: int) -> dict[str, Any]:
     for m, k, n in SIZES:
         a, b = mx.random.normal((m, k)), mx.random.normal((k, n))
         mx.eval(a, b)
-        seconds = _time_gemm(lambda a=a, b=b: mx.eval(a @ b), trials)
+        seconds = median_seconds(lambda a=a, b=b: mx.eval(a @ b), trials)
         gflops[f"{m}x{k}x{n}"] = 2 * m * k * n / seconds / 1e9
     return {"info": blas.info(), "gflops": gflops}
 
@@ -69,7 +57,7 @@ def _worker_numpy(trials: int) -> dict[str, Any]:
     for m, k, n in SIZES:
         a = rng.standard_normal((m, k), dtype=np.float32)
         b = rng.standard_normal((k, n), dtype=np.float32)
-        seconds = _time_gemm(lambda a=a, b=b: a @ b, trials)
+        seconds = median_seconds(lambda a=a, b=b: a @ b, trials)
         gflops[f"{m}x{k}x{n}"] = 2 * m * k * n / seconds / 1e9
     return {"info": {"blas": name}, "gflops": gflops}
 

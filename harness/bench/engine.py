@@ -27,23 +27,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
-from allocators.buddy import BuddyAllocator
-from allocators.contiguous import ContiguousAllocator
-from allocators.free_list import FreeListAllocator
-from allocators.radix import RadixAllocator
+from harness.bench._components import ALLOCATORS, build, compose_config
+from harness.bench._table import underlined
 from harness.engine import LLMEngine, build_engine
 from harness.engine.sampling import SamplingParams
 from harness.platform import blas
-from harness.platform.models import LoadedModel, random_model
+from harness.platform.models import LoadedModel
 from harness.workload.distributions import LogNormal
-from schedulers.fcfs import FCFSScheduler
-
-ALLOCATORS = {
-    "free_list": FreeListAllocator,
-    "contiguous": ContiguousAllocator,
-    "buddy": BuddyAllocator,
-    "radix": RadixAllocator,
-}
 
 
 def run_batch_generator(
@@ -76,23 +66,28 @@ def run_batch_generator(
 
 def run_engine(
     loaded: LoadedModel,
-    allocator,
+    allocator: str,
     prompts: list[list[int]],
     new: list[int],
     batch: int,
     block_size: int,
 ) -> tuple[float, float, float]:
-    """(seconds until every request has a token, seconds after, share outside the forward)."""
+    """(seconds until every request has a token, seconds after, share outside the forward), with
+    ``allocator`` a conf/allocator/ option."""
     longest = max(len(p) + n for p, n in zip(prompts, new, strict=True))
     need = sum(-(-(len(p) + n) // block_size) for p, n in zip(prompts, new, strict=True))
+    cfg = compose_config(
+        [
+            f"allocator={allocator}",
+            "scheduler=fcfs",
+            f"scheduler.max_num_seqs={batch}",
+            f"scheduler.max_num_batched_tokens={max(2048, sum(len(p) for p in prompts))}",
+        ]
+    )
     engine = build_engine(
         loaded,
-        allocator,
-        partial(
-            FCFSScheduler,
-            max_num_seqs=batch,
-            max_num_batched_tokens=max(2048, sum(len(p) for p in prompts)),
-        ),
+        build(cfg.allocator),
+        build(cfg.scheduler),
         block_size=block_size,
         num_blocks=2 * need + 16,  # slack so region allocators grow without preempting
         max_model_len=longest,
@@ -147,12 +142,12 @@ def main(argv: list[str]) -> None:
     )
     workloads = args.workloads.split(",")
     for size in args.sizes.split(","):
-        loaded = random_model("llama", size, seed=args.seed)
+        loaded = build(compose_config([f"model={size}", f"model.seed={args.seed}"]).model)
         rng = np.random.default_rng(args.seed)
         warm = [rng.integers(1, loaded.vocab_size, 16).tolist()]
         # Warm up both paths (first-call allocations, thread pools).
         run_batch_generator(loaded, warm, [4], 1)
-        run_engine(loaded, FreeListAllocator, warm, [4], 1, args.block_size)
+        run_engine(loaded, "free_list", warm, [4], 1, args.block_size)
         if "uniform" in workloads:
             _uniform(loaded, size, rng, args)
         if "mixed" in workloads:
@@ -161,8 +156,9 @@ def main(argv: list[str]) -> None:
 
 def _systems(loaded, prompts, new, batch, block_size):
     yield "BatchGenerator", partial(run_batch_generator, loaded, prompts, new, batch)
-    for name, cls in ALLOCATORS.items():
-        yield f"LLMEngine/{name}", partial(run_engine, loaded, cls, prompts, new, batch, block_size)
+    for name in ALLOCATORS:
+        run = partial(run_engine, loaded, name, prompts, new, batch, block_size)
+        yield f"LLMEngine/{name}", run
 
 
 def _uniform(loaded, size, rng, args) -> None:
@@ -171,8 +167,7 @@ def _uniform(loaded, size, rng, args) -> None:
         f"{'model':6} {'batch':>5} {'system':18} {'prefill tok/s':>13} {'decode tok/s':>12} "
         f"{'prefill ratio':>13} {'decode ratio':>12} {'outside fwd':>11}"
     )
-    print(header)
-    print("-" * len(header))
+    print(underlined(header))
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = [rng.integers(1, loaded.vocab_size, args.prompt).tolist() for _ in range(batch)]
         base = None
@@ -198,8 +193,7 @@ def _mixed(loaded, size, args) -> None:
         f"tokens {sum(new)} (max {max(new)})"
     )
     header = f"{'model':6} {'system':18} {'total tok/s':>11} {'ratio':>7} {'outside fwd':>11}"
-    print(header)
-    print("-" * len(header))
+    print(underlined(header))
     base = None
     for name, run in _systems(loaded, prompts, new, args.mixed_batch, args.block_size):
         first_s, rest_s, outside = run()

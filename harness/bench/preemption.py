@@ -32,40 +32,38 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
-from functools import partial
 
 import numpy as np
 
 from allocators.base import blocks_for
-from allocators.buddy import BuddyAllocator
-from allocators.contiguous import ContiguousAllocator
-from allocators.free_list import FreeListAllocator
-from allocators.radix import RadixAllocator
+from harness.bench._components import build, compose_config, options
 from harness.engine import build_engine
 from harness.engine.sampling import SamplingParams
-from harness.platform.models import LoadedModel, random_model
-from schedulers.priority import PriorityScheduler
+from harness.platform.models import LoadedModel
 
-ALLOCATORS = {
-    "free_list": FreeListAllocator,
-    "radix": RadixAllocator,
-    "contiguous": ContiguousAllocator,
-    "buddy": BuddyAllocator,
-}
 MODES = ("recompute", "swap")
 BLOCK_SIZE = 16
 SLACK = 8  # tokens of room beyond the victim's length
 
 
 def one_preemption(loaded: LoadedModel, allocator: str, mode: str, length: int) -> float:
-    """Seconds one preemption of an ``length``-token victim adds (the module docstring)."""
+    """Seconds one preemption of an ``length``-token victim adds (the module docstring), with
+    ``allocator`` a conf/allocator/ option."""
     num_blocks = blocks_for(length + SLACK, BLOCK_SIZE)
     if allocator == "buddy":  # one chunk, so that the intruder fits the arena alone
         num_blocks = 1 << (num_blocks - 1).bit_length()
+    cfg = compose_config(
+        [
+            f"allocator={allocator}",
+            "scheduler=priority",
+            f"scheduler.preemption_mode={mode}",
+            "scheduler.max_num_seqs=2",
+        ]
+    )
     engine = build_engine(
         loaded,
-        ALLOCATORS[allocator],
-        partial(PriorityScheduler, preemption_mode=mode, max_num_seqs=2),
+        build(cfg.allocator),
+        build(cfg.scheduler),
         block_size=BLOCK_SIZE,
         num_blocks=num_blocks,
         max_model_len=max(2048, num_blocks * BLOCK_SIZE),
@@ -144,7 +142,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--allocators",
         default="free_list,contiguous,buddy",
-        help=f"allocators, comma-separated, of {', '.join(ALLOCATORS)}",
+        help=f"allocators, comma-separated, of {', '.join(options('allocator'))}",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per figure")
     parser.add_argument("--csv", help="also write the figures to this CSV file")
@@ -154,7 +152,7 @@ def main(argv: list[str]) -> None:
     allocators = args.allocators.split(",")
     print(f"block size {BLOCK_SIZE}; ms per preemption, median of {args.repeats} rounds")
     for size in args.sizes.split(","):
-        loaded = random_model("llama", size, seed=0)
+        loaded = build(compose_config([f"model={size}"]).model)
         costs = measure(loaded, allocators, lengths, args.repeats)
         kv = loaded.kv_bytes_per_token()
         print(f"{loaded.name}: {loaded.num_params / 1e6:.1f}M params, {kv} KV bytes per token")

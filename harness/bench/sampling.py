@@ -16,12 +16,12 @@ ratio = the figure / greedy sample(): the issue's goal is <= 2 for temperature +
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import mlx.core as mx
 import numpy as np
 
+from harness.bench._table import underlined
+from harness.bench._timing import median_seconds
 from harness.engine.sampling import (
     SampleRow,
     SamplingParams,
@@ -38,16 +38,6 @@ CASES = {
     "temperature 0.8": SamplingParams(temperature=0.8),
     "temperature 0.8 + top_p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
 }
-
-
-def _median(call, repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _pipeline(logits, rows: list[SampleRow]):
@@ -79,8 +69,7 @@ def main(argv: list[str]) -> None:
         f"device {mx.default_device()}; ms per step, median of {args.repeats}"
     )
     header = f"{'case':30} {'sample()':>9} {'numpy':>9} {'mlx':>9} {'ratio':>7}"
-    print(header)
-    print("-" * len(header))
+    print(underlined(header))
     greedy = None
     for name, params in CASES.items():
 
@@ -88,9 +77,9 @@ def main(argv: list[str]) -> None:
             return [SampleRow(p, h, len(h) // 2, make_rng(p, i)) for i, h in enumerate(history)]
 
         fixed = rows()
-        engine = _median(lambda r=fixed: sample(logits, r), args.repeats)
-        on_numpy = _median(lambda r=fixed: _pipeline(np.array(logits), r), args.repeats)
-        on_mlx = _median(lambda r=fixed: _pipeline(logits, r), args.repeats)
+        engine = median_seconds(lambda r=fixed: sample(logits, r), args.repeats)
+        on_numpy = median_seconds(lambda r=fixed: _pipeline(np.array(logits), r), args.repeats)
+        on_mlx = median_seconds(lambda r=fixed: _pipeline(logits, r), args.repeats)
         greedy = greedy or engine
         print(
             f"{name:30} {engine * 1e3:9.1f} {on_numpy * 1e3:9.1f} {on_mlx * 1e3:9.1f} "

@@ -1,11 +1,12 @@
 """Sliding-window identity matrix: greedy tokens against mlx_lm's rotating caches, by allocator.
 
-``python -m harness.bench sliding_window [--models gemma3_text,gpt_oss,llama_swa] [--window 16]
-[--block-size 8] [--prompts 3,20,45,90] [--max-tokens 40] [--batch 4]``
+``python -m harness.bench sliding_window [--models tiny_gemma3,tiny_gpt_oss,tiny_llama_swa]
+[--window 16] [--block-size 8] [--prompts 3,20,45,90] [--max-tokens 40] [--batch 4]``
 
-For each random tiny model with sliding-window layers (Gemma 3 text: every third layer full;
-gpt-oss: window and full layers alternating; llama_swa: a Mistral-style Llama, the same
-alternation through mlx_lm's ``layer_types``) and each allocator, one engine (FCFS,
+For each random tiny model with sliding-window layers (conf/model/ options, the window set to
+``--window``: tiny_gemma3, every third layer full; tiny_gpt_oss, window and full layers
+alternating; tiny_llama_swa, a Mistral-style Llama, the same alternation through mlx_lm's
+``layer_types``) and each allocator, one engine (FCFS,
 ``max_num_seqs=--batch``) generates every prompt at once, greedily; a cell is ``identical``
 when every request's tokens equal mlx_lm's ``generate_step`` over ``model.make_cache()``
 (``RotatingKVCache`` for window layers), else how many requests differ. Beside it, the most
@@ -17,41 +18,24 @@ model without the window (same weights, window 4096) gives other tokens on these
 from __future__ import annotations
 
 import argparse
-from functools import partial
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from allocators.buddy import BuddyAllocator
-from allocators.contiguous import ContiguousAllocator
-from allocators.free_list import FreeListAllocator
-from allocators.radix import RadixAllocator
+from harness.bench._components import ALLOCATORS, build, compose_config
 from harness.engine import build_engine
 from harness.engine.sampling import SamplingParams
-from harness.platform.models import LoadedModel, random_model
-from schedulers.fcfs import FCFSScheduler
+from harness.platform.models import LoadedModel
 from schedulers.kv_groups import ring_blocks
 
-ALLOCATORS = {
-    "free_list": FreeListAllocator,
-    "contiguous": ContiguousAllocator,
-    "buddy": BuddyAllocator,
-    "radix": RadixAllocator,
-}
-# Extra fields per model name: llama_swa is mlx_lm's Llama with sliding layers.
-MODELS = {
-    "gemma3_text": ("gemma3_text", {}),
-    "gpt_oss": ("gpt_oss", {}),
-    "llama_swa": ("llama", {"layer_types": ["sliding_attention", "full_attention"] * 2}),
-}
+# conf/model/ options with sliding-window layers, one per way of placing them.
+MODELS = "tiny_gemma3,tiny_gpt_oss,tiny_llama_swa"
 
 
 def build_model(name: str, window: int) -> LoadedModel:
-    if name not in MODELS:
-        raise SystemExit(f"--models: unknown {name!r}; choose from {', '.join(MODELS)}")
-    arch, fields = MODELS[name]
-    return random_model(arch, "tiny", seed=0, sliding_window=window, **fields)
+    """The conf/model/ option ``name`` with its sliding window set to ``window`` tokens."""
+    return build(compose_config([f"model={name}", f"++model.sliding_window={window}"]).model)
 
 
 def mlx_lm_tokens(model: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:
@@ -59,12 +43,16 @@ def mlx_lm_tokens(model: LoadedModel, prompt: list[int], max_tokens: int) -> lis
     return [int(token) for token, _ in steps]
 
 
-def run(model: LoadedModel, allocator, prompts, args) -> tuple[list[list[int]], int]:
-    """Every prompt's tokens, and the most ring blocks one sequence held at a step."""
+def run(model: LoadedModel, allocator: str, prompts, args) -> tuple[list[list[int]], int]:
+    """Every prompt's tokens, and the most ring blocks one sequence held at a step, with
+    ``allocator`` a conf/allocator/ option."""
+    cfg = compose_config(
+        [f"allocator={allocator}", "scheduler=fcfs", f"scheduler.max_num_seqs={args.batch}"]
+    )
     engine = build_engine(
         model,
-        allocator,
-        partial(FCFSScheduler, max_num_seqs=args.batch),
+        build(cfg.allocator),
+        build(cfg.scheduler),
         block_size=args.block_size,
         num_blocks=sum(-(-(len(p) + args.max_tokens) // args.block_size) for p in prompts) * 2,
         record=False,
@@ -88,7 +76,7 @@ def main(argv: list[str]) -> None:
         prog="python -m harness.bench sliding_window", description=__doc__
     )
     parser.add_argument(
-        "--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}"
+        "--models", default=MODELS, help="conf/model/ options, comma-separated, e.g. " + MODELS
     )
     parser.add_argument("--window", type=int, default=16, help="sliding window in tokens")
     parser.add_argument("--block-size", type=int, default=8, help="KV block size in tokens")
@@ -107,7 +95,7 @@ def main(argv: list[str]) -> None:
         f"{lengths} tokens, {args.max_tokens} generated each, greedy, FCFS, batch {args.batch}; "
         "reference: mlx_lm generate_step over make_cache() (RotatingKVCache)"
     )
-    header = f"{'model':<12}" + "".join(f"{a:>12}" for a in ALLOCATORS)
+    header = f"{'model':<15}" + "".join(f"{a:>12}" for a in ALLOCATORS)
     print(header + f"{'ring max':>10}{'window matters':>16}")
     for name in args.models.split(","):
         model = build_model(name, args.window)
@@ -115,10 +103,10 @@ def main(argv: list[str]) -> None:
         wide = build_model(name, 4096)
         matters = [mlx_lm_tokens(wide, p, args.max_tokens) for p in prompts] != reference
         cells, most = [], 0
-        for allocator in ALLOCATORS.values():
+        for allocator in ALLOCATORS:
             got, held = run(model, allocator, prompts, args)
             most = max(most, held)
             differ = sum(g != r for g, r in zip(got, reference, strict=True))
             cells.append("identical" if not differ else f"{differ}/{len(prompts)} differ")
-        row = f"{name:<12}" + "".join(f"{c:>12}" for c in cells)
+        row = f"{name:<15}" + "".join(f"{c:>12}" for c in cells)
         print(row + f"{most:>10}{'yes' if matters else 'no':>16}")

@@ -35,6 +35,7 @@ import numpy as np
 from mlx_lm.generate import generate_step, speculative_generate_step
 
 from allocators.free_list import FreeListAllocator
+from harness.bench._table import underlined
 from harness.engine import build_engine
 from harness.engine.sampling import SamplingParams
 from harness.engine.speculative import Speculation, random_draft
@@ -203,8 +204,7 @@ def main(argv: list[str]) -> None:
         f"{'speedup':>7} {'pred':>5} {'meas/pred':>9}"
     )
     print(f"{'':<29} | {'kvbench engine':^66} | {'mlx_lm speculative_generate_step':^49}")
-    print(header)
-    print("-" * len(header))
+    print(underlined(header))
     for name, draft in drafts:
         # Target and draft alone, alternating, so both see the same load.
         pairs = [

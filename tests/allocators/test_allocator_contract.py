@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
 from collections import Counter
 
 import pytest
+from conftest import allocator_options
 
 from allocators.base import NO_COPIES, BlockAllocator
 
 BS = 4
-ALLOCATORS = {
-    "free_list": ("allocators.free_list.FreeListAllocator", {}),
-    "radix": ("allocators.radix.RadixAllocator", {}),
-    "contiguous": ("allocators.contiguous.ContiguousAllocator", {}),
-    "contiguous_max_len": (
-        "allocators.contiguous.ContiguousAllocator",
-        {"reserve": "max_len", "max_len": 12},  # a region of at least 3 blocks
-    ),
-    "buddy": ("allocators.buddy.BuddyAllocator", {}),
-}
+ALLOCATORS = allocator_options(max_len=12)  # contiguous_max_len: a region of at least 3 blocks
 PAGED = {"free_list", "radix"}
-
-
-def load(name: str) -> type[BlockAllocator]:
-    module, _, cls = ALLOCATORS[name][0].rpartition(".")
-    return getattr(importlib.import_module(module), cls)
 
 
 @pytest.fixture(params=sorted(ALLOCATORS))
@@ -36,7 +22,7 @@ def kind(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def make(kind: str):
     def build(num_blocks: int = 16) -> BlockAllocator:
-        return load(kind)(num_blocks=num_blocks, block_size=BS, **ALLOCATORS[kind][1])
+        return ALLOCATORS[kind](num_blocks=num_blocks, block_size=BS)
 
     return build
 
@@ -68,7 +54,7 @@ def allocate_as_forecast(alloc: BlockAllocator, seq: str, num_tokens: int) -> in
 )
 def test_bad_constructor_arguments_name_the_argument(kind: str, kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
-        load(kind)(**kwargs, **ALLOCATORS[kind][1])
+        ALLOCATORS[kind](**kwargs)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import ALLOCATORS
 from reference import mlx_lm_tokens
 
 from allocators.buddy import BuddyAllocator
@@ -26,7 +27,6 @@ from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.sampling import SamplingParams, sample
 from schedulers.fcfs import FCFSScheduler
 
-ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAllocator]
 PROMPT_LENS = [1, 7, 16, 17, 63, 128, 255, 300]
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -12,10 +12,9 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import ALLOCATORS
 from reference import mlx_lm_logprobs
 
-from allocators.buddy import BuddyAllocator
-from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import build_engine
@@ -30,7 +29,6 @@ from harness.engine.sampling import (
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 
-ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAllocator]
 TOL = 1e-4  # float32 logits through two different attention paths
 
 

@@ -12,11 +12,10 @@ from functools import partial
 
 import numpy as np
 import pytest
+from conftest import ALLOCATORS
 from reference import mlx_lm_tokens
 
 from allocators.base import blocks_for
-from allocators.buddy import BuddyAllocator
-from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import RequestError, build_engine, persistence
@@ -26,7 +25,6 @@ from harness.platform.models import random_model
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 
-ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAllocator]
 FIRST, NEXT = 8, 6  # output tokens of the first and the next request
 
 

@@ -14,11 +14,10 @@ import hydra.utils
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import ALLOCATORS
 from reference import mlx_lm_tokens
 
 import harness  # noqa: F401  (BLAS switch before mlx)
-from allocators.buddy import BuddyAllocator
-from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
@@ -31,7 +30,6 @@ from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler
 
-ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAllocator]
 # Upper 0.1 % points of the chi-square distribution (a correct sampler fails 1 run in 1000).
 CHI2_999 = {3: 16.266, 6: 22.458, 7: 24.322, 9: 27.877}
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -14,12 +14,12 @@ from functools import partial
 
 import hypothesis.strategies as st
 import pytest
+from conftest import allocator_options
 from hypothesis import given, settings
 
 from allocators.base import BlockAllocator
 from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
-from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine.request import Sequence
 from harness.engine.sampling import SamplingParams
@@ -28,13 +28,7 @@ from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler
 
-ALLOCATORS = {
-    "free_list": FreeListAllocator,
-    "radix": RadixAllocator,
-    "contiguous": ContiguousAllocator,
-    "contiguous_max_len": partial(ContiguousAllocator, reserve="max_len", max_len=32),
-    "buddy": BuddyAllocator,
-}
+ALLOCATORS = allocator_options(max_len=32)
 POLICIES = {
     "fcfs": FCFSScheduler,
     "fcfs_prefill_first": partial(FCFSScheduler, order="prefill_first"),

@@ -10,11 +10,10 @@ from functools import partial
 
 import numpy as np
 import pytest
+from conftest import ALLOCATORS
 from reference import mlx_lm_tokens
 
 import harness  # noqa: F401  (BLAS switch before mlx)
-from allocators.buddy import BuddyAllocator
-from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import build_engine
@@ -24,7 +23,6 @@ from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler
 from schedulers.request import Status
 
-ALLOCATORS = [FreeListAllocator, ContiguousAllocator, BuddyAllocator, RadixAllocator]
 PROMPT_LENS = [1, 5, 17, 40, 30, 16]
 MAX_TOKENS = 12
 BLOCK = 8

@@ -7,7 +7,7 @@ runs its plan (block moves, then one batched forward through the model runner), 
 hands the step's results back (``Scheduler.update``) and builds the outputs. The engine's
 other concerns live beside it, each a part of this class:
 
-    intake.py      a request checked before it is queued
+    intake.py      add_request (a request checked, then queued) and abort_request
     outputs.py     tokens in, stop conditions, finished requests, RequestOutputs
     forks.py       parallel sampling's completions and beam search's rounds
     pipeline.py    steps pipelined one deep (``pipeline``, off by default)
@@ -26,28 +26,26 @@ import mlx.core as mx
 import numpy as np
 
 from allocators.base import BlockAllocator
-from harness.engine.beam_search import BeamGroup, BeamSearchParams
+from harness.engine.beam_search import BeamGroup
 from harness.engine.clock import Clock, VirtualClock
 from harness.engine.forks import Forks
-from harness.engine.intake import RequestError, check_request, tokenize
+from harness.engine.intake import Intake, Params
 from harness.engine.kv_cache import HostBlocks, KVArena
 from harness.engine.kv_files import KVFiles
 from harness.engine.model_runner import ModelRunner, Row, Runner
 from harness.engine.outputs import Outputs, prompt_positions
-from harness.engine.pipeline import INFLIGHT, Pipelined
+from harness.engine.pipeline import Pipelined
 from harness.engine.recorder import Recorder
 from harness.engine.request import RequestOutput
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import LOGPROBS_MODES, LogprobsMode, SamplingParams, make_rng, sample
+from harness.engine.sampling import LOGPROBS_MODES, LogprobsMode, sample
 from harness.engine.speculative import DraftProposer, Proposal, Verifications, Verified, verify
 from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
 
-Params = SamplingParams | BeamSearchParams  # how a request generates
 
-
-class LLMEngine(Outputs, Forks, Pipelined, KVFiles):
+class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
     """Continuous-batching engine over a paged KV arena (the API of docs/design.md).
 
     Build one with ``harness.engine.build_engine``, which sizes the arena and builds the
@@ -138,99 +136,7 @@ class LLMEngine(Outputs, Forks, Pipelined, KVFiles):
         """The full-attention layers' KV arena."""
         return self.runner.arena
 
-    # -- requests ------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        sampling_params: Params | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        *,
-        ttft_slo: float | None = None,
-        tpot_slo: float | None = None,
-        save_kv: str | Path | None = None,
-        restore_kv: str | Path | None = None,
-    ) -> None:
-        """Queue a request. A prompt is token ids, or text when the model has a tokenizer.
-        ``BeamSearchParams`` run a beam search (harness/engine/beam_search.py): the request's
-        one output, when it finishes, holds the best ``beam_width`` beams.
-
-        ``save_kv``: a file the request's KV (prompt and output but the last token) is
-        saved to when it finishes. ``restore_kv``: such a file; the KV of the longest prefix
-        of this prompt it holds is written back at admission instead of computed. A file
-        that cannot be used (unreadable, corrupted, another model or block size) or shares
-        no prefix warns (``KVRestoreWarning``, one line naming it) and the prompt is
-        computed (harness/engine/persistence.py)."""
-        # Arrival is when the caller hands the request over, not when the lock is free.
-        arrived = self.clock.now() if arrival_time is None else arrival_time
-        params = sampling_params or SamplingParams()
-        beam = params if isinstance(params, BeamSearchParams) else None
-        if beam is not None:
-            params = beam.beam_params()
-        tokens = tokenize(self.model, request_id, prompt)
-        check_request(
-            self.model,
-            request_id,
-            params,
-            beam,
-            speculative=self.proposer is not None,
-            has_window=self.window is not None,
-            save_kv=save_kv,
-            restore_kv=restore_kv,
-        )
-        restored = self._restorable(request_id, restore_kv, tokens, params) if restore_kv else None
-        with self._lock:
-            if taken := self._ids_taken(request_id, params.n, beam is not None):
-                raise RequestError(
-                    f"request_id {request_id!r} is already in use ({taken[0]!r}): pick a new one"
-                )
-            seed = self.seed * 1_000_003 + self._num_added
-            seq = Seq(
-                request_id=request_id,
-                token_ids=tokens,
-                params=params,
-                arrival_time=arrived,
-                priority=priority,
-                rng=make_rng(params, seed),
-                seed=params.seed if params.seed is not None else seed,
-                ttft_slo=ttft_slo,
-                tpot_slo=tpot_slo,
-            )
-            self._num_added += params.n  # completion i falls back to seed + i: no overlap
-            self._requests[request_id] = seq
-            if params.n > 1:
-                self._groups[request_id] = [seq]
-            if beam is not None:
-                self._beams[request_id] = BeamGroup(beam, self.model.eos_token_ids, seq)
-            if save_kv is not None:
-                self._save_to[request_id] = Path(save_kv)
-            num_restored = 0
-            if restored is not None:
-                num_restored, self._host[request_id] = restored
-            self.scheduler.add(seq, restored=num_restored)
-
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request in any state; its blocks are free when this returns."""
-        with self._lock:
-            if request_id in self._beams:
-                self._pending += self._end_beams(
-                    self._beams[request_id], "abort", self.clock.now(), "aborted by the user"
-                )
-                return
-            if request_id.rpartition("/")[0] in self._beams:
-                return  # a beam's own id: the engine's, not a request (vLLM ignores those)
-            group = self._groups.get(request_id)
-            ids = [s.request_id for s in group if not s.finished] if group else [request_id]
-            for rid in ids:
-                seq = self.scheduler.abort(rid) or self._released_early(rid)
-                if seq is None:
-                    continue
-                if seq.token_ids[-1] == INFLIGHT:  # its pending token is never emitted
-                    seq.token_ids.pop()
-                self._finish(seq, "abort", self.clock.now(), abort_reason="aborted by the user")
-                self._pending.append(self._output(seq))
-
+    # -- requests (add_request, abort_request: harness/engine/intake.py) ---------------
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or an abort's output is not yet returned."""
         with self._lock:

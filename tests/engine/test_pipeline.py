@@ -13,7 +13,7 @@ from reference import mlx_lm_tokens
 from test_engine import ALLOCATORS, assert_all_free
 
 from harness.engine import build_engine
-from harness.engine.llm_engine import INFLIGHT
+from harness.engine.pipeline import INFLIGHT
 from harness.engine.sampling import SamplingParams
 from schedulers.fcfs import FCFSScheduler
 

@@ -182,6 +182,12 @@ class BatchLayout:
             faster at batch 1 (where the gather is small), and a batch's rows start at
             unrelated offsets, so a batch of them needs a copy all the same.
         mask: [B, 1, L, K*block_size] True where a query may attend to a key.
+
+    With ``window`` (a sliding-window layer, harness/engine/window.py) the tables are rings:
+    ``read_rows`` holds the ring blocks with the window's positions before each row's first
+    query, ``write_rows`` the row's last ``ring * block_size`` positions (the rest and the
+    padding go to scratch), and ``mask`` [B, 1, L, K*bs + L] covers the keys read, then the
+    new keys: True where ``query - window < key position <= query`` and the key is written.
     """
 
     offsets: mx.array
@@ -200,8 +206,14 @@ class BatchLayout:
         block_size: int,
         scratch_block: int,
         num_kv_heads: int,
+        window: int | None = None,
     ) -> BatchLayout:
-        """Lay out rows that compute ``lengths[b]`` tokens from position ``starts[b]``."""
+        """Lay out rows that compute ``lengths[b]`` tokens from position ``starts[b]`` over
+        their block ``tables`` (rings, with ``window``)."""
+        if window is not None:
+            return _ring_layout(
+                tables, starts, lengths, window, block_size, scratch_block, num_kv_heads
+            )
         # Few numpy calls and transfers: at decode this runs on the host every step, beside
         # a forward of a few ms. The mask is built by MLX from the offsets.
         start = np.array(starts)
@@ -229,6 +241,59 @@ class BatchLayout:
             mask=mx.arange(num_read * block_size) <= queries,
             num_read_blocks=num_read,
         )
+
+
+def _ring_layout(
+    rings: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    window: int,
+    block_size: int,
+    scratch_block: int,
+    num_kv_heads: int,
+) -> BatchLayout:
+    """``BatchLayout.build`` over rings: logical block j of a row lives in ring slot j mod k."""
+    bs = block_size
+    start = np.array(starts)
+    lens = np.array(lengths)
+    width = int(lens.max())
+    # Logical blocks lo..hi hold positions start - window + 1 .. start - 1.
+    lo = np.maximum(start - window + 1, 0) // bs
+    count = np.where(start > 0, (start - 1) // bs - lo + 1, 0)
+    num_read = max(1, int(count.max()))
+    read = np.full((len(rings), num_read), scratch_block)
+    for b, ring in enumerate(rings):
+        k = len(ring)
+        read[b, : count[b]] = [ring[j % k] for j in range(lo[b], lo[b] + count[b])]
+    step = np.arange(width)
+    pos = start[:, None] + step  # [B, L] query positions
+    # Keys: the blocks read (positions before start), then the new keys.
+    old = lo[:, None] + np.arange(num_read)  # [B, K] logical blocks read
+    old_pos = (old[:, :, None] * bs + np.arange(bs)).reshape(len(rings), -1)  # [B, K*bs]
+    old_ok = (np.arange(num_read) < count[:, None]).repeat(bs, axis=1)
+    old_ok &= old_pos < start[:, None]
+    new_ok = step[None, :] < lens[:, None]  # [B, L]
+    keys = np.concatenate([old_pos, pos], axis=1)  # [B, K*bs + L]
+    ok = np.concatenate([old_ok, new_ok], axis=1)
+    q = pos[:, :, None]
+    mask = ok[:, None, :] & (keys[:, None, :] <= q) & (keys[:, None, :] > q - window)
+    # Writes: a row's last ring * bs positions (distinct ring slots), else scratch.
+    ring_len = np.array([len(r) for r in rings])
+    kept = new_ok & (pos >= (start + lens - ring_len * bs)[:, None])
+    logical = pos // bs
+    blocks = np.full(pos.shape, scratch_block)
+    for b, ring in enumerate(rings):
+        cols = np.nonzero(kept[b])[0]
+        blocks[b, cols] = np.asarray(ring)[logical[b, cols] % len(ring)]
+    heads = np.arange(num_kv_heads)[:, None]
+    write_rows = (blocks[:, None, :] * num_kv_heads + heads) * bs + (pos % bs)[:, None, :]
+    return BatchLayout(
+        offsets=mx.array(start.astype(np.int32)),
+        write_rows=mx.array(write_rows.reshape(-1).astype(np.int32)),
+        read_rows=mx.array((read[:, None, :] * num_kv_heads + heads).astype(np.int32)),
+        mask=mx.array(mask[:, None]),
+        num_read_blocks=num_read,
+    )
 
 
 class PagedKVCache:

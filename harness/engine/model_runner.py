@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from harness.engine.kv_cache import BatchLayout, HostBlocks, KVArena, PagedKVCache
-from harness.engine.window import WindowGroup, WindowKVCache, WindowLayout
+from harness.engine.window import WindowGroup, WindowKVCache
 from harness.platform.models import LoadedModel
 
 
@@ -158,34 +158,33 @@ class ModelRunner:
         inputs = np.zeros((len(rows), width), dtype=np.int32)
         for b, r in enumerate(rows):
             inputs[b, : len(r.tokens)] = r.tokens
-        layout = BatchLayout.build(
-            [r.table for r in rows],
-            [r.start for r in rows],
-            [len(r.tokens) for r in rows],
-            block_size=self.arena.block_size,
-            scratch_block=self.arena.scratch_block,
-            num_kv_heads=self.loaded.num_kv_heads,
-        )
         picks = [
             b * width + len(r.tokens) - r.num_logits + j
             for b, r in enumerate(rows)
             for j in range(r.num_logits)
         ]
+        layout = self._layout(rows, [r.table for r in rows], self.arena)
         ring = None
         if self.window is not None:
-            ring = WindowLayout.build(
-                [r.ring for r in rows],
-                [r.start for r in rows],
-                [len(r.tokens) for r in rows],
-                window=self.window.window,
-                block_size=self.arena.block_size,
-                scratch_block=self.window.arena.scratch_block,
-                num_kv_heads=self.loaded.num_kv_heads,
-            )
+            rings = [r.ring for r in rows]
+            ring = self._layout(rows, rings, self.window.arena, self.window.window)
         return mx.array(inputs), (layout, ring), picks
 
+    def _layout(
+        self, rows: Sequence[Row], tables: list, arena: KVArena, window: int | None = None
+    ) -> BatchLayout:
+        return BatchLayout.build(
+            tables,
+            [r.start for r in rows],
+            [len(r.tokens) for r in rows],
+            block_size=arena.block_size,
+            scratch_block=arena.scratch_block,
+            num_kv_heads=self.loaded.num_kv_heads,
+            window=window,
+        )
+
     def _run(
-        self, inputs: mx.array, layouts: tuple[BatchLayout, WindowLayout | None], picks: list[int]
+        self, inputs: mx.array, layouts: tuple[BatchLayout, BatchLayout | None], picks: list[int]
     ) -> mx.array | None:
         layout, ring = layouts
         caches = []

@@ -28,12 +28,10 @@ into its new ring at swap-in (``SwapIn.ring``); a fork copies its parent's ring 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
-from harness.engine.kv_cache import HostBlocks, KVArena
+from harness.engine.kv_cache import BatchLayout, HostBlocks, KVArena, PagedKVCache
 from harness.platform.models import LoadedModel
 from schedulers.kv_groups import WindowRings
 
@@ -91,94 +89,13 @@ class WindowGroup:
         self._host.pop(seq_id, None)
 
 
-@dataclass(frozen=True)
-class WindowLayout:
-    """Index arrays that place one padded batch in the window arena (every window layer).
-
-    Attributes:
-        offsets: [B] start position of each row (RoPE offset).
-        write_rows: [B*H*L] arena row of each new (token, head) kept in the ring: the row's
-            last ``ring * block_size`` positions; the rest and padding go to scratch.
-        read_rows: [B, H, K] rows of the arena viewed as [(num_blocks+1) * H, bs * D]: the
-            ring blocks holding the window's positions before the row's first query.
-        mask: [B, 1, L, K*bs + L] keys read, then the new keys: True where
-            ``query - window < key position <= query`` and the key is written.
-    """
-
-    offsets: mx.array
-    write_rows: mx.array
-    read_rows: mx.array
-    mask: mx.array
-    num_read_blocks: int
-
-    @classmethod
-    def build(
-        cls,
-        rings: Sequence[Sequence[int]],
-        starts: Sequence[int],
-        lengths: Sequence[int],
-        *,
-        window: int,
-        block_size: int,
-        scratch_block: int,
-        num_kv_heads: int,
-    ) -> WindowLayout:
-        bs = block_size
-        start = np.array(starts)
-        lens = np.array(lengths)
-        width = int(lens.max())
-        # Logical blocks lo..hi hold positions start - window + 1 .. start - 1.
-        lo = np.maximum(start - window + 1, 0) // bs
-        count = np.where(start > 0, (start - 1) // bs - lo + 1, 0)
-        num_read = max(1, int(count.max()))
-        read = np.full((len(rings), num_read), scratch_block)
-        for b, ring in enumerate(rings):
-            k = len(ring)
-            read[b, : count[b]] = [ring[j % k] for j in range(lo[b], lo[b] + count[b])]
-        step = np.arange(width)
-        pos = start[:, None] + step  # [B, L] query positions
-        # Keys: the blocks read (positions before start), then the new keys.
-        old = lo[:, None] + np.arange(num_read)  # [B, K] logical blocks read
-        old_pos = (old[:, :, None] * bs + np.arange(bs)).reshape(len(rings), -1)  # [B, K*bs]
-        old_ok = (np.arange(num_read) < count[:, None]).repeat(bs, axis=1)
-        old_ok &= old_pos < start[:, None]
-        new_ok = step[None, :] < lens[:, None]  # [B, L]
-        keys = np.concatenate([old_pos, pos], axis=1)  # [B, K*bs + L]
-        ok = np.concatenate([old_ok, new_ok], axis=1)
-        q = pos[:, :, None]
-        mask = ok[:, None, :] & (keys[:, None, :] <= q) & (keys[:, None, :] > q - window)
-        # Writes: a row's last ring * bs positions (distinct ring slots), else scratch.
-        ring_len = np.array([len(r) for r in rings])
-        kept = new_ok & (pos >= (start + lens - ring_len * bs)[:, None])
-        logical = pos // bs
-        blocks = np.full(pos.shape, scratch_block)
-        for b, ring in enumerate(rings):
-            cols = np.nonzero(kept[b])[0]
-            blocks[b, cols] = np.asarray(ring)[logical[b, cols] % len(ring)]
-        heads = np.arange(num_kv_heads)[:, None]
-        write_rows = (blocks[:, None, :] * num_kv_heads + heads) * bs + (pos % bs)[:, None, :]
-        return cls(
-            offsets=mx.array(start.astype(np.int32)),
-            write_rows=mx.array(write_rows.reshape(-1).astype(np.int32)),
-            read_rows=mx.array((read[:, None, :] * num_kv_heads + heads).astype(np.int32)),
-            mask=mx.array(mask[:, None]),
-            num_read_blocks=num_read,
-        )
-
-
-class WindowKVCache:
+class WindowKVCache(PagedKVCache):
     """One window layer's view of the window arena for one batch: mlx_lm's cache protocol
-    (``offset``, ``make_mask``, ``update_and_fetch``), as ``PagedKVCache`` is for full ones."""
+    as ``PagedKVCache`` gives it, over rings, reading each ring before writing it."""
 
-    def __init__(self, arena: KVArena, layer: int, layout: WindowLayout, window: int) -> None:
-        self.arena = arena
-        self.layer = layer
-        self.layout = layout
+    def __init__(self, arena: KVArena, layer: int, layout: BatchLayout, window: int) -> None:
+        super().__init__(arena, layer, layout)
         self.window = window
-
-    @property
-    def offset(self) -> mx.array:
-        return self.layout.offsets
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None and window_size != self.window:
@@ -188,10 +105,7 @@ class WindowKVCache:
             )
         return self.layout.mask
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return self._read_write(self.arena.keys, keys), self._read_write(self.arena.values, values)
-
-    def _read_write(self, pools: list[mx.array], new: mx.array) -> mx.array:
+    def _write_read(self, pools: list[mx.array], new: mx.array) -> mx.array:
         layout = self.layout
         batch, heads, _, dim = new.shape
         pool = pools[self.layer]

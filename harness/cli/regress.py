@@ -46,7 +46,6 @@ from typing import Any, Literal
 import numpy as np
 from hydra import compose, initialize_config_dir
 
-from allocators.free_list import FreeListAllocator
 from harness.analysis import compare
 from harness.bench import allocators as bench_allocators
 from harness.bench import engine as bench_engine
@@ -144,7 +143,7 @@ def engine_figures(loaded: LoadedModel, rounds: int) -> dict[str, float]:
     }
     warm = [rng.integers(1, loaded.vocab_size, 16).tolist()]
     bench_engine.run_batch_generator(loaded, warm, [4], 1)
-    bench_engine.run_engine(loaded, FreeListAllocator, warm, [4], 1, BLOCK_SIZE)
+    bench_engine.run_engine(loaded, "free_list", warm, [4], 1, BLOCK_SIZE)
     seconds: dict[tuple[str, str], list[float]] = {}
     outside = []
     for _ in range(rounds):
@@ -152,7 +151,7 @@ def engine_figures(loaded: LoadedModel, rounds: int) -> dict[str, float]:
             first, rest, _ = bench_engine.run_batch_generator(loaded, prompts, new, batch)
             seconds.setdefault((name, "bg"), []).append(first + rest)
             first, rest, share = bench_engine.run_engine(
-                loaded, FreeListAllocator, prompts, new, batch, BLOCK_SIZE
+                loaded, "free_list", prompts, new, batch, BLOCK_SIZE
             )
             seconds.setdefault((name, "engine"), []).append(first + rest)
             if name == "uniform":

@@ -63,6 +63,11 @@ def build_engine(
     ``clock``: ``virtual`` or ``wall`` (harness/engine/clock.py). ``seed``,
     ``record``, ``pipeline`` and ``logprobs_mode`` are ``LLMEngine``'s."""
     limit = model.max_position_embeddings
+    if max_model_len is not None and (isinstance(max_model_len, bool) or max_model_len < 1):
+        raise ValueError(
+            f"engine.max_model_len={max_model_len!r} is invalid: an int >= 1, or None for "
+            "the model's max_position_embeddings"
+        )
     if max_model_len is None:
         max_model_len = limit or DEFAULT_MAX_MODEL_LEN
     elif limit is not None and max_model_len > limit:

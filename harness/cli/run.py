@@ -36,7 +36,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from allocators.base import BlockAllocator
 from harness.analysis import results
-from harness.analysis.metrics import format_summary, requests_frame, steps_frame, summarize
+from harness.analysis.metrics import (
+    CLOCKS,
+    format_summary,
+    requests_frame,
+    steps_frame,
+    summarize,
+)
 from harness.cli.config import validate
 from harness.cli.replay import check_trace, replay, sampling_params
 from harness.engine import LLMEngine
@@ -51,7 +57,9 @@ from schedulers.base import Scheduler
 log = logging.getLogger(__name__)
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
-CLOCKS = {"virtual": VirtualClock, "wall": WallClock}
+# metrics.CLOCKS is the vocabulary (the summary records engine.clock.name); each class carries
+# its name, so this lookup cannot disagree with it.
+CLOCK_TYPES = {c.name: c for c in (VirtualClock, WallClock)}
 WARMUP_TOKENS = 8  # output tokens per warm-up request: a few decode steps
 
 # conf/hydra/launcher/{ray,submitit_slurm}.yaml keep the plugins' option names, so Hydra
@@ -91,7 +99,7 @@ def build_engine(
     kv_cache_bytes: int | None = None,
     max_model_len: int | None = None,
     speculative: Speculation | None = None,
-    clock: Literal["virtual", "wall"] = "virtual",
+    clock: Literal[CLOCKS] = "virtual",
     seed: int = 0,
     pipeline: bool = False,
     logprobs_mode: LogprobsMode = "raw_logprobs",
@@ -106,7 +114,7 @@ def build_engine(
         kv_cache_bytes=kv_cache_bytes,
         max_model_len=max_model_len,
         speculative=speculative,
-        clock=CLOCKS[clock](),
+        clock=CLOCK_TYPES[clock](),
         seed=seed,
         pipeline=pipeline,
         logprobs_mode=logprobs_mode,

@@ -107,7 +107,8 @@ def table(path: str | Path) -> pd.DataFrame:
     for c in COLUMNS:
         values = runs[c.key] if c.key in runs else pd.Series(math.nan, index=runs.index)
         out[c.header] = values.astype(float) * c.scale
-    out["clock"] = runs["clock"]
+    # summary.json from before the clock was recorded has none: missing, as any figure
+    out["clock"] = runs.get("clock")
     out["run_dir"] = runs["run_dir"]
     order = sorted(out.index, key=lambda i: (_sort_key(items[out.run_dir[i]], varying), i))
     return out.loc[order].reset_index(drop=True)
@@ -140,10 +141,14 @@ def _cell(value: float, column: Column) -> str:
 def _notes(frame: pd.DataFrame) -> str:
     """Where each column comes from: summary.json keys, defined in docs/results.md."""
     keys = ", ".join(c.key for c in COLUMNS)
-    clocks = sorted(set(frame["clock"]))
+    recorded = [c for c in frame["clock"] if isinstance(c, str)]
+    clocks = " and ".join(sorted(set(recorded)))
+    unknown = len(frame) - len(recorded)
+    where = [f"latencies on the {clocks} clock"] if clocks else []
+    if unknown:
+        where.append(f"clock not recorded for {unknown} run{'s' if unknown != 1 else ''}")
     return textwrap.fill(
-        f"Columns are summary.json's {keys} (definitions: docs/results.md); latencies on the "
-        f"{' and '.join(clocks)} clock.",
+        f"Columns are summary.json's {keys} (definitions: docs/results.md); {'; '.join(where)}.",
         width=100,
     )
 

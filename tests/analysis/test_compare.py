@@ -276,3 +276,17 @@ def test_a_sweep_ends_with_its_table(kvbench, tmp_path: Path, launcher: tuple[st
     assert [line.split()[1] for line in table[3:5]] == ["6", "6"]  # completed
     assert "Columns are summary.json's" in table[5]
     assert not any("results:" in line for line in table)  # no job output after it
+
+
+def test_a_run_without_clock_is_listed_with_its_clock_missing(sweep: Path, capsys) -> None:
+    # summary.json from before the clock was recorded
+    overrides = ["allocator=buddy", "trace.rate=16", "progress=false"]
+    old = sweep / "old"
+    (old / ".hydra").mkdir(parents=True)
+    (old / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    results.write_summary(old, JOBS[0][1])
+    compare.main([str(sweep)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"4 finished runs in {sweep}"
+    assert any(line.startswith("allocator=buddy,trace.rate=16 ") for line in lines)
+    assert "clock not recorded for 1 run" in " ".join(lines)

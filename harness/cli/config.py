@@ -75,6 +75,14 @@ def validate(cfg: DictConfig) -> None:
             check_node(cfg[group], group, set())
     check_node(cfg.trace.generator, "trace.generator", set())
     engine = cfg.engine
+    # The engine hands max_model_len to the scheduler, whose own check would name the
+    # scheduler's key, which the config cannot set.
+    max_model_len = engine.get("max_model_len")
+    if max_model_len is not None and max_model_len < 1:
+        raise ConfigError(
+            f"engine.max_model_len={max_model_len} must be >= 1, or null (the model's "
+            "max_position_embeddings)"
+        )
     if (engine.get("num_blocks") is None) == (engine.get("kv_cache_bytes") is None):
         raise ConfigError(
             "engine.num_blocks and engine.kv_cache_bytes: set exactly one, e.g. "

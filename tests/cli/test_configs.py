@@ -209,6 +209,12 @@ def test_bad_config_names_the_key(compose_cfg, overrides, message) -> None:
         validate(compose_cfg(overrides))
 
 
+def test_max_model_len_below_1_names_the_engine_key(compose_cfg) -> None:
+    # the engine passes it on to the scheduler, whose own check would name scheduler's key
+    with pytest.raises(ConfigError, match=r"^engine\.max_model_len=0 must be >= 1"):
+        validate(compose_cfg(["engine.max_model_len=0"]))
+
+
 def test_misspelt_override_is_refused_by_hydra(compose_cfg) -> None:
     with pytest.raises(ConfigCompositionException, match=r"trace\.rat"):
         compose_cfg(["trace.rat=2"])

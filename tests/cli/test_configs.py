@@ -215,6 +215,20 @@ def test_max_model_len_below_1_names_the_engine_key(compose_cfg) -> None:
         validate(compose_cfg(["engine.max_model_len=0"]))
 
 
+def test_a_key_no_component_reads_is_refused_naming_the_keys_there(compose_cfg) -> None:
+    # Hydra's advice for an unknown key (+key=value) adds it where nothing reads it
+    cfg = compose_cfg(["trace=shared_prefix", "+trace.num_requests=2"])
+    with pytest.raises(ConfigError, match=r"^trace\.num_requests is read by nothing: the keys "
+                       r"at trace are rate, num_system_prompts, .*generator"):  # fmt: skip
+        validate(cfg)
+
+
+def test_a_knob_read_by_interpolation_from_another_node_passes(compose_cfg) -> None:
+    cfg = compose_cfg(["+trace.budget=64", "scheduler=chunked_prefill"])
+    cfg.scheduler.max_num_batched_tokens = "${trace.budget}"
+    validate(cfg)
+
+
 def test_misspelt_override_is_refused_by_hydra(compose_cfg) -> None:
     with pytest.raises(ConfigCompositionException, match=r"trace\.rat"):
         compose_cfg(["trace.rat=2"])

@@ -148,6 +148,12 @@ def check_plain(node: DictConfig, path: str, references: set[str]) -> None:
         if where in READ_BY_RUN:
             continue
         if not any(_reads(ref, where) for ref in references):
+            for child, sub in node.items():  # the knob's parameter overridden directly
+                if isinstance(sub, DictConfig) and "_target_" in sub and key in sub:
+                    raise ConfigError(
+                        f"{where} is read by nothing: {path}.{child}.{key} is set directly, "
+                        f"bypassing it; set {where} instead"
+                    )
             keys = [str(k) for k in node if k != key]
             raise ConfigError(
                 f"{where} is read by nothing: the keys at {path} are {', '.join(keys)}"

@@ -9,6 +9,7 @@ and external fragmentation. All times are seconds on the run's clock (``virtual`
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -326,6 +327,41 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     )
     # Plain Python scalars, in SUMMARY_KEYS order, so summary.json is stable and diffable.
     return {k: out[k].item() if isinstance(out[k], np.generic) else out[k] for k in SUMMARY_KEYS}
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def abort_reasons(requests: pd.DataFrame) -> list[tuple[int, str]]:
+    """(count, reason) of the aborted requests, most frequent first. Reasons that differ only
+    in their numbers are one group, each number shown as the range it spans ("prompt of 24-40
+    tokens exceeds max_model_len=8"): a request's own length must not split the count."""
+    groups: dict[str, list[list[float]]] = {}
+    for reason in requests_frame(requests).query("finish_reason == 'abort'")["abort_reason"]:
+        text = "no reason recorded" if _is_missing(reason) else reason
+        numbers = [float(n) for n in _NUMBER.findall(text)]
+        groups.setdefault(_NUMBER.sub("{}", text), []).append(numbers)
+    out = []
+    for template, rows in groups.items():
+        spans = [
+            f"{min(col):g}" if min(col) == max(col) else f"{min(col):g}-{max(col):g}"
+            for col in zip(*rows, strict=True)
+        ]
+        out.append((len(rows), template.format(*spans)))
+    return sorted(out, key=lambda item: -item[0])
+
+
+def format_outcome(requests: pd.DataFrame) -> str:
+    """One line: how many requests completed and, if any aborted, how many for which reason
+    ("0 of 6 requests completed: 6 aborted (prompt of 24-40 tokens exceeds max_model_len=8)")."""
+    reasons = abort_reasons(requests)
+    aborted = sum(count for count, _ in reasons)
+    line = f"{len(requests) - aborted} of {len(requests)} requests completed"
+    if not reasons:
+        return line
+    if len(reasons) == 1:
+        return f"{line}: {aborted} aborted ({reasons[0][1]})"
+    return f"{line}: {aborted} aborted ({'; '.join(f'{n}: {r}' for n, r in reasons)})"
 
 
 def _num(value: float, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:

@@ -38,6 +38,7 @@ from allocators.base import BlockAllocator
 from harness.analysis import results
 from harness.analysis.metrics import (
     CLOCKS,
+    format_outcome,
     format_summary,
     requests_frame,
     steps_frame,
@@ -137,17 +138,10 @@ def run(
     """
     out = Path(output_dir)
     try:  # everything here checks input: its errors name the setting, not a code path
-        validate(cfg)
+        trace, sampling = check(cfg)
         out.mkdir(parents=True, exist_ok=True)
-        trace = _build(cfg.trace.generator)
         model = _build(cfg.model)
         check_trace(trace, model.vocab_size)
-        sampling = _build(cfg.sampling)
-        try:  # bad values fail now, naming the key (min_tokens against the shortest request)
-            sampling(max_tokens=min((r.max_tokens for r in trace), default=1), ignore_eos=True)
-        except SamplingParamsError as e:
-            field = str(e).split(".", 1)[1]  # "SamplingParams.top_p=..." -> the config key
-            raise ValueError(f"sampling.{field}") from None
         speculative = _build(cfg.speculative) if cfg.get("speculative") is not None else None
         build = partial(
             _build(cfg.engine),
@@ -208,6 +202,41 @@ def run(
     results.write_vllm_bench(out, summary)
     results.write_summary(out, summary)  # last: a folder with it is a finished run
     return summary
+
+
+def check(cfg: DictConfig) -> tuple[Trace, Callable[..., SamplingParams]]:
+    """What can be checked without a model: ``validate``, the trace built and not empty, the
+    sampling values; return the trace and the sampling partial. Raises ``ConfigError``, a
+    component's ``ValueError`` or ``OSError`` naming the setting."""
+    validate(cfg)
+    trace = _build(cfg.trace.generator)
+    if not len(trace):
+        raise ValueError(f"the trace has no requests ({_empty_trace_knobs(cfg)}): nothing to run")
+    sampling = _build(cfg.sampling)
+    try:  # bad values fail now, naming the key (min_tokens against the shortest request)
+        sampling(max_tokens=min(r.max_tokens for r in trace), ignore_eos=True)
+    except SamplingParamsError as e:
+        field = str(e).split(".", 1)[1]  # "SamplingParams.top_p=..." -> the config key
+        raise ValueError(f"sampling.{field}") from None
+    return trace, sampling
+
+
+def _empty_trace_knobs(cfg: DictConfig) -> str:
+    """The knobs that made a trace empty: those set to 0 (trace.num_requests=0; a seed is not
+    a size), else every knob of the trace option (trace.path='empty.jsonl')."""
+    raw = OmegaConf.to_container(cfg.trace, resolve=True)
+    knobs = {f"trace.{k}": v for k, v in raw.items() if k != "generator"}
+    # a generator parameter set directly, not through a knob's interpolation
+    given = OmegaConf.to_container(cfg.trace.generator, resolve=False)
+    knobs |= {
+        f"trace.generator.{k}": raw["generator"][k]
+        for k, v in given.items()
+        if k[0] != "_" and not (isinstance(v, str) and "${" in v)
+    }
+    zero = [
+        f"{k}=0" for k, v in knobs.items() if v == 0 and type(v) is int and not k.endswith("seed")
+    ]
+    return ", ".join(zero or [f"{k}={v!r}" for k, v in knobs.items() if k.count(".") == 1])
 
 
 def warm_up(
@@ -287,16 +316,16 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         # SystemExit passes through Hydra's handler, which would print a traceback.
         print(f"kvbench: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(format_summary(summary))
-    print(f"results: {out}")
-    if not summary["completed"]:
-        print(
-            f"kvbench: error: no request completed ({summary['aborted']} aborted): see "
-            f"abort_reason in {out / 'requests.parquet'}; a larger arena (engine.num_blocks) "
-            "or shorter requests may fit",
-            file=sys.stderr,
-        )
+    if not summary["completed"]:  # every figure would be n/a: say why instead
+        print(f"results: {out}")
+        outcome = format_outcome(results.load_tables(out)[0])
+        print(f"kvbench: error: {outcome}; see abort_reason in {out / results.REQUESTS_FILE}",
+              file=sys.stderr)  # fmt: skip
         sys.exit(1)
+    print(format_summary(summary))
+    if summary["aborted"]:
+        print(format_outcome(results.load_tables(out)[0]))
+    print(f"results: {out}")
     return summary
 
 

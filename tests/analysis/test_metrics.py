@@ -13,6 +13,7 @@ from harness.analysis.metrics import (
     STEP_COLUMNS,
     SUMMARY_KEYS,
     MetricsError,
+    abort_reasons,
     decode_stalls,
     decode_step_time,
     format_summary,
@@ -352,3 +353,18 @@ def test_every_summary_key_matches_an_independent_loop(seed):
         else:
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
     assert "KV slots (peak)" in format_summary(got)
+
+
+def test_abort_reasons_group_reasons_that_differ_only_in_numbers() -> None:
+    long = "prompt of {} tokens exceeds max_model_len=8"
+    rows = [
+        _request("a", 0.0, [], reason="abort", abort_reason=long.format(9)),
+        _request("b", 0.0, [], reason="abort", abort_reason=long.format(40)),
+        _request("c", 0.0, [], reason="abort", abort_reason=long.format(12)),
+        _request("d", 0.0, [], reason="abort", abort_reason="prompt logprobs need 3 slots"),
+        _request("e", 0.0, [1.0]),
+    ]
+    assert abort_reasons(requests_frame(rows)) == [
+        (3, "prompt of 9-40 tokens exceeds max_model_len=8"),
+        (1, "prompt logprobs need 3 slots"),
+    ]

@@ -201,10 +201,35 @@ def test_a_wrong_setting_is_one_line_naming_it_and_exit_status_2(kvbench, overri
     assert re.search(message, line), line
 
 
-def test_a_run_that_completes_nothing_says_so_and_fails(kvbench) -> None:
-    proc = kvbench("engine.num_blocks=1", check=False)  # no smoke prompt fits in one block
+def test_a_run_that_completes_nothing_counts_requests_by_abort_reason(kvbench) -> None:
+    proc = kvbench("engine.max_model_len=8", check=False)  # every smoke prompt is longer
     assert proc.returncode == 1
-    assert "kvbench: error: no request completed (6 aborted)" in proc.stderr
+    assert "n/a" not in proc.stdout  # no table of figures that do not exist
+    assert re.fullmatch(
+        r"kvbench: error: 0 of 6 requests completed: 6 aborted \(prompt of \d+-\d+ tokens "
+        r"exceeds max_model_len=8\); see abort_reason in \S+requests\.parquet\n",
+        proc.stderr,
+    ), proc.stderr
+
+
+def test_a_run_where_some_requests_abort_counts_them(kvbench) -> None:
+    proc = kvbench("engine.max_model_len=30")  # smoke's prompts: 24, 28, 29, 32, 38, 40 tokens
+    expected = (
+        "3 of 6 requests completed: 3 aborted (prompt of 32-40 tokens exceeds max_model_len=30)"
+    )
+    assert expected in proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "knob"),
+    [(["trace.num_requests=0"], "trace.num_requests=0"),
+     (["trace=file", "trace.path=empty.jsonl"], "trace.path='empty.jsonl'")],
+)  # fmt: skip
+def test_an_empty_trace_names_its_knob_before_any_work(kvbench, tmp_path, overrides, knob):
+    (tmp_path / "empty.jsonl").write_text("")
+    proc = kvbench(*overrides, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr == f"kvbench: error: the trace has no requests ({knob}): nothing to run\n"
 
 
 def test_the_warm_up_leaves_the_measured_engine_clean(compose_cfg, tmp_path: Path) -> None:

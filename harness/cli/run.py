@@ -170,10 +170,12 @@ def run(
     mx.reset_peak_memory()  # mlx_peak_bytes is this run's, not an earlier job's
     started = time.perf_counter()
     try:
+        log.info("replaying %d requests", len(trace))  # in the try: an interrupt keeps rows
         replay(engine, trace, sampling=sampling, progress=cfg.progress)
     except BaseException as e:
         log.error(
-            "replay failed: writing the %d finished requests' rows to %s",
+            "replay %s: writing the %d finished requests' rows to %s",
+            "interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
             len(engine.recorder.requests),
             out,
         )
@@ -269,6 +271,18 @@ def _tables(engine: LLMEngine):
     return requests_frame(engine.recorder.requests), steps_frame(engine.recorder.steps)
 
 
+def _kept(out: Path) -> str:
+    """What an interrupted run left in ``out``: the finished requests' rows once the replay
+    has begun (``run`` writes them), else nothing."""
+    if not (out / results.REQUESTS_FILE).exists():
+        return f"stopped before the replay; nothing kept in {out}"
+    done = len(results.load_tables(out)[0])
+    return (
+        f"the {done} finished requests' rows kept in {out / results.REQUESTS_FILE} and "
+        f"{results.STEPS_FILE}; no summary.json, so a sweep re-run repeats this run"
+    )
+
+
 def finished_run(output_dir: str | Path, overrides: Sequence[str], ignore: Sequence[str] = ()):
     """The summary of a finished run of the same overrides in ``output_dir``, else None.
 
@@ -316,6 +330,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         # SystemExit passes through Hydra's handler, which would print a traceback.
         print(f"kvbench: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: what was kept, not where Python happened to be
+        print(f"kvbench: interrupted: {_kept(out)}", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports it
     if not summary["completed"]:  # every figure would be n/a: say why instead
         print(f"results: {out}")
         outcome = format_outcome(results.load_tables(out)[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -141,6 +142,39 @@ def test_interrupted_sweep_rerun_completes_only_missing_jobs(tmp_path: Path) -> 
     assert rerun.stdout.count("skipped:") == len(before)
     assert rerun.stdout.count("Requests completed / aborted") == 4 - len(before)
     assert len(results.load(sweep)) == 4
+
+
+def test_ctrl_c_says_in_one_line_what_was_kept_and_exits_130(tmp_path: Path) -> None:
+    from conftest import ROOT, TINY
+
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    args = [*TINY, "trace.num_requests=2000", "warmup=0"]  # still replaying when interrupted
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli.run", *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        for line in proc.stdout:  # Hydra's log, flushed line by line
+            if "replaying 2000 requests" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    (run_dir,) = (tmp_path / "results/default/runs").iterdir()
+    kept = len(results.load_tables(run_dir)[0])
+    assert proc.returncode == 130
+    assert err == (
+        f"kvbench: interrupted: the {kept} finished requests' rows kept in "
+        f"{run_dir / 'requests.parquet'} and steps.parquet; no summary.json, so a sweep re-run "
+        "repeats this run\n"
+    )
+    assert results.read_summary(run_dir) is None
 
 
 def test_a_folder_holding_other_overrides_is_never_skipped(tmp_path: Path) -> None:

@@ -90,6 +90,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     *(f"{m}_{s}" for m in LATENCIES for s in STATS),
     "duration",
     "completed",
+    "completed_requests",
     "aborted",
     "output_throughput",
     "total_token_throughput",
@@ -237,6 +238,14 @@ def decode_stalls(requests: pd.DataFrame, threshold: float) -> int:
     return int((itl_gaps(requests) > threshold).sum())
 
 
+def request_of(requests: pd.DataFrame) -> pd.Series:
+    """Each row's trace request: ``ID`` for completions ``ID/1``, ``ID/2``, ... of a request with
+    ``SamplingParams.n`` > 1 (docs/results.md, request_id), else the row's own id."""
+    ids = requests["request_id"]
+    parent = ids.str.replace(r"(?<=.)/\d+$", "", regex=True)
+    return parent.where(parent.isin(set(ids)), ids)
+
+
 def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dict[str, Any]:
     """The run's figures (keys ``SUMMARY_KEYS``), computed only from the two tables;
     docs/results.md defines each and names the tool or paper it follows.
@@ -258,8 +267,11 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     external_fragmentation_mean are time-weighted too. kv_sharing_saving (the vLLM paper's
     memory saving of parallel sampling and beam search, its section 6.3) = time-weighted
     blocks_shared / time-weighted block_refs: the share of block-table entries that sharing
-    (fork, prefix cache) serves without a block of their own. prefix_hit_rate and preemptions use
-    all requests. Speculative decoding as Leviathan et al. (ICML 2023) define it:
+    (fork, prefix cache) serves without a block of their own. completed_requests counts the
+    trace's requests all of whose completions completed (``completed`` counts completions).
+    prefix_hit_rate counts prefix-cache hits only: completions 1.. of a request with n > 1 hold
+    their prompt's KV by a fork, not by a cache lookup, so they are left out of both sums.
+    preemptions use all requests. Speculative decoding as Leviathan et al. (ICML 2023) define it:
     acceptance rate alpha = accepted / (accepted + rejected), each verification stopping at
     its first rejected draft; tokens per verification = 1 + accepted per sequence
     verification; vLLM's draft acceptance rate = accepted / proposed.
@@ -281,9 +293,12 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     per_s = 1.0 / duration if duration > 0 else math.nan
     ttft_ok = done["ttft_slo"].isna() | (ttft <= done["ttft_slo"])
     tpot_ok = done["tpot_slo"].isna() | (tpot.where(multi, 0.0) <= done["tpot_slo"])
+    request = request_of(req)
+    looked_up = request == req["request_id"]  # rows that queried the prefix cache
     out.update(
         duration=float(duration),
         completed=len(done),
+        completed_requests=int((req["finish_reason"] != "abort").groupby(request).all().sum()),
         aborted=len(req) - len(done),
         output_throughput=done["output_tokens"].sum() * per_s,
         total_token_throughput=(done["prompt_tokens"].sum() + done["output_tokens"].sum()) * per_s,
@@ -316,7 +331,9 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
         batch_size_mean=over_time(st["batch_size"]),
         external_fragmentation_mean=over_time(st["external_fragmentation"]),
         kv_sharing_saving=_ratio(over_time(st["blocks_shared"]), over_time(st["block_refs"])),
-        prefix_hit_rate=_ratio(req["cached_tokens"].sum(), req["prompt_tokens"].sum()),
+        prefix_hit_rate=_ratio(
+            req["cached_tokens"][looked_up].sum(), req["prompt_tokens"][looked_up].sum()
+        ),
         preemptions=int(req["preemptions"].sum()),
         spec_acceptance_rate=_ratio(accepted, accepted + st["spec_rejected"].sum()),
         spec_draft_acceptance_rate=_ratio(accepted, st["spec_proposed"].sum()),

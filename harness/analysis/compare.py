@@ -17,6 +17,7 @@ import argparse
 import math
 import sys
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ class Column:
 
 
 COLUMNS = (
-    Column("completed", "done", "req"),
+    Column("completed_requests", "done", "req"),
     Column("request_throughput", "thruput", "req/s", digits=2),
     Column("output_throughput", "output", "tok/s", digits=1),
     Column("ttft_p50", "TTFT p50", "ms", 1e3, 1),
@@ -61,6 +62,24 @@ COLUMNS = (
     Column("preemptions", "preempt", "count"),
     Column("prefix_hit_rate", "prefix hit", "%", 100, 1),
 )
+# Figures an experiment can name as its headline beside COLUMNS (conf/experiment/*.yaml,
+# hydra.callbacks.compare.headline): the end-of-sweep table shows them after the run's label.
+HEADLINES = (
+    Column("kv_sharing_saving", "KV shared", "%", 100, 1),
+    Column("blocks_used_mean", "blocks", "mean", digits=1),
+    Column("kv_future_frac_mean", "KV future", "%", 100, 1),
+    Column("kv_internal_frac_mean", "KV internal", "%", 100, 1),
+    Column("kv_external_frac_mean", "KV external", "%", 100, 1),
+    Column("batch_size_mean", "batch", "seqs", digits=1),
+    Column("max_prefix_hit_rate", "hit bound", "%", 100, 1),
+    Column("max_prefix_hit_rate_blocks", "block bound", "%", 100, 1),
+    Column("total_token_throughput", "total", "tok/s", digits=1),
+    Column("tpot_mean", "TPOT mean", "ms", 1e3, 1),
+    Column("e2e_p50", "E2E p50", "ms", 1e3, 1),
+    Column("spec_acceptance_rate", "alpha", "%", 100, 1),
+    Column("spec_tokens_per_verification", "tok/verif", "tok", digits=2),
+)
+_BY_KEY = {c.key: c for c in (*COLUMNS, *HEADLINES)}
 RUN = "run"  # the label column
 
 
@@ -68,10 +87,25 @@ class CompareError(Exception):
     """The folder to compare does not exist or is not a folder."""
 
 
-def table(path: str | Path) -> pd.DataFrame:
+def columns(headline: Sequence[str] = ()) -> list[Column]:
+    """The table's figures: the ``headline`` keys first, in their order, then the rest of
+    ``COLUMNS``. A key with no column is a ``CompareError`` naming those there are."""
+    unknown = [k for k in headline if k not in _BY_KEY]
+    if unknown:
+        raise CompareError(
+            f"headline {', '.join(unknown)}: no column shows it; choose from "
+            f"{', '.join(_BY_KEY)} (or add one to compare.HEADLINES)"
+        )
+    return [_BY_KEY[k] for k in dict.fromkeys(headline)] + [
+        c for c in COLUMNS if c.key not in headline
+    ]
+
+
+def table(path: str | Path, headline: Sequence[str] = ()) -> pd.DataFrame:
     """Every finished run under ``path``, one row each: ``run`` (its label), a column per
-    ``COLUMNS`` entry named by its header and holding the figure in that unit (NaN where the
-    summary has none), ``clock`` and ``run_dir``. Empty when no run under ``path`` has finished.
+    figure of ``columns(headline)`` named by its header and holding the figure in that unit
+    (NaN where the summary has none), ``clock`` and ``run_dir``. Empty when no run under
+    ``path`` has finished.
 
     A label is the run's overrides whose text differs between the runs (a key a run does not
     override differs too), in the order given on its command line; a label shared by several
@@ -84,9 +118,10 @@ def table(path: str | Path) -> pd.DataFrame:
         raise CompareError(f"{path} does not exist")
     if not path.is_dir():
         raise CompareError(f"{path} is not a folder")
+    shown = columns(headline)
     runs = results.load(path)
     if runs.empty:
-        return pd.DataFrame(columns=[RUN, *_headers(), "clock", "run_dir"])
+        return pd.DataFrame(columns=[RUN, *(c.header for c in shown), "clock", "run_dir"])
     items = {d: results.override_items(d) for d in runs["run_dir"]}
     keys: list[str] = []  # every overridden key, first seen first
     for its in items.values():
@@ -104,10 +139,11 @@ def table(path: str | Path) -> pd.DataFrame:
         elif lab in shared:
             labels[d] = f"{lab} @ {folder}"
     out = pd.DataFrame({RUN: [labels[d] for d in runs["run_dir"]]})
-    for c in COLUMNS:
+    for c in shown:
         values = runs[c.key] if c.key in runs else pd.Series(math.nan, index=runs.index)
         out[c.header] = values.astype(float) * c.scale
-    out["clock"] = runs["clock"]
+    # summary.json from before the clock was recorded has none: missing, as any figure
+    out["clock"] = runs.get("clock")
     out["run_dir"] = runs["run_dir"]
     order = sorted(out.index, key=lambda i: (_sort_key(items[out.run_dir[i]], varying), i))
     return out.loc[order].reset_index(drop=True)
@@ -137,13 +173,23 @@ def _cell(value: float, column: Column) -> str:
     return "n/a" if math.isnan(value) else f"{value:,.{column.digits}f}"
 
 
+def _shown(frame: pd.DataFrame) -> list[Column]:
+    """The figures ``frame`` holds, in its order."""
+    by_header = {c.header: c for c in _BY_KEY.values()}
+    return [by_header[h] for h in frame.columns if h in by_header]
+
+
 def _notes(frame: pd.DataFrame) -> str:
     """Where each column comes from: summary.json keys, defined in docs/results.md."""
-    keys = ", ".join(c.key for c in COLUMNS)
-    clocks = sorted(set(frame["clock"]))
+    keys = ", ".join(c.key for c in _shown(frame))
+    recorded = [c for c in frame["clock"] if isinstance(c, str)]
+    clocks = " and ".join(sorted(set(recorded)))
+    unknown = len(frame) - len(recorded)
+    where = [f"latencies on the {clocks} clock"] if clocks else []
+    if unknown:
+        where.append(f"clock not recorded for {unknown} run{'s' if unknown != 1 else ''}")
     return textwrap.fill(
-        f"Columns are summary.json's {keys} (definitions: docs/results.md); latencies on the "
-        f"{' and '.join(clocks)} clock.",
+        f"Columns are summary.json's {keys} (definitions: docs/results.md); {'; '.join(where)}.",
         width=100,
     )
 
@@ -151,13 +197,13 @@ def _notes(frame: pd.DataFrame) -> str:
 def format_text(frame: pd.DataFrame, path: str | Path) -> str:
     """The table for a terminal: the folder, a two-line header (figure, unit), one line per
     run, and a note naming each column's summary key."""
-    n = len(frame)
-    rows = [[c.name for c in COLUMNS], [c.unit for c in COLUMNS]]
-    for values in frame[_headers()].values:
-        rows.append([_cell(v, c) for v, c in zip(values, COLUMNS, strict=True)])
+    n, shown = len(frame), _shown(frame)
+    rows = [[c.name for c in shown], [c.unit for c in shown]]
+    for values in frame[[c.header for c in shown]].values:
+        rows.append([_cell(v, c) for v, c in zip(values, shown, strict=True)])
     labels = [RUN, "", *frame[RUN]]
     width = max(len(s) for s in labels)
-    widths = [max(len(r[j]) for r in rows) for j in range(len(COLUMNS))]
+    widths = [max(len(r[j]) for r in rows) for j in range(len(shown))]
     lines = [f"{n} finished run{'s' if n != 1 else ''} in {path}"]
     for label, row in zip(labels, rows, strict=True):
         cells = "  ".join(f"{s:>{w}}" for s, w in zip(row, widths, strict=True))
@@ -167,11 +213,12 @@ def format_text(frame: pd.DataFrame, path: str | Path) -> str:
 
 def format_markdown(frame: pd.DataFrame, path: str | Path) -> str:
     """The table as GitHub Markdown, headers ``figure (unit)``, then the folder and the note."""
-    headers = [RUN, *_headers()]
-    lines = ["| " + " | ".join(headers) + " |", "|---" + "|---:" * len(COLUMNS) + "|"]
+    shown = _shown(frame)
+    headers = [RUN, *(c.header for c in shown)]
+    lines = ["| " + " | ".join(headers) + " |", "|---" + "|---:" * len(shown) + "|"]
     for row in frame[headers].values:
         label = str(row[0]).replace("|", "\\|")
-        cells = [_cell(v, c) for v, c in zip(row[1:], COLUMNS, strict=True)]
+        cells = [_cell(v, c) for v, c in zip(row[1:], shown, strict=True)]
         lines.append("| " + " | ".join([f"`{label}`", *cells]) + " |")
     return "\n".join([*lines, "", f"Runs in `{path}`. {_notes(frame)}"])
 
@@ -179,21 +226,22 @@ def format_markdown(frame: pd.DataFrame, path: str | Path) -> str:
 def format_csv(frame: pd.DataFrame) -> str:
     """The table as CSV: full precision in each column's unit, empty where not applicable,
     and each run's folder."""
-    counts = {c.header: "Int64" for c in COLUMNS if c.digits == 0 and c.scale == 1}
+    counts = {c.header: "Int64" for c in _shown(frame) if c.digits == 0 and c.scale == 1}
     return frame.astype(counts).to_csv(index=False)
-
-
-def _headers() -> list[str]:
-    return [c.header for c in COLUMNS]
 
 
 class CompareCallback(Callback):
     """Hydra callback (``hydra.callbacks`` in conf/config.yaml): when a multirun ends, print
-    its jobs side by side, read from the sweep folder (so any launcher works)."""
+    its jobs side by side, read from the sweep folder (so any launcher works), with the
+    ``headline`` figures an experiment names (``hydra.callbacks.compare.headline``) first."""
+
+    def __init__(self, headline: Sequence[str] = ()) -> None:
+        columns(headline)  # a key without a column fails as the sweep starts, not at its end
+        self.headline = tuple(headline)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        frame = table(sweep_dir)
+        frame = table(sweep_dir, self.headline)
         if frame.empty:
             print(f"no finished run in {sweep_dir}")
         else:

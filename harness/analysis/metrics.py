@@ -9,6 +9,7 @@ and external fragmentation. All times are seconds on the run's clock (``virtual`
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -80,6 +81,8 @@ STEP_SCHEMA: dict[str, str] = {
 REQUEST_COLUMNS: tuple[str, ...] = tuple(REQUEST_SCHEMA)
 STEP_COLUMNS: tuple[str, ...] = tuple(STEP_SCHEMA)
 FINISH_REASONS = ("stop", "length", "abort")
+# The names engine.clock takes; harness/engine/clock.py maps them to clocks (kept here too so
+# reading results never imports the engine, and MLX; tests/analysis/test_metrics.py checks both).
 CLOCKS = ("virtual", "wall")
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
@@ -89,6 +92,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     *(f"{m}_{s}" for m in LATENCIES for s in STATS),
     "duration",
     "completed",
+    "completed_requests",
     "aborted",
     "output_throughput",
     "total_token_throughput",
@@ -236,6 +240,14 @@ def decode_stalls(requests: pd.DataFrame, threshold: float) -> int:
     return int((itl_gaps(requests) > threshold).sum())
 
 
+def request_of(requests: pd.DataFrame) -> pd.Series:
+    """Each row's trace request: ``ID`` for completions ``ID/1``, ``ID/2``, ... of a request with
+    ``SamplingParams.n`` > 1 (docs/results.md, request_id), else the row's own id."""
+    ids = requests["request_id"]
+    parent = ids.str.replace(r"(?<=.)/\d+$", "", regex=True)
+    return parent.where(parent.isin(set(ids)), ids)
+
+
 def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dict[str, Any]:
     """The run's figures (keys ``SUMMARY_KEYS``), computed only from the two tables;
     docs/results.md defines each and names the tool or paper it follows.
@@ -257,8 +269,11 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     external_fragmentation_mean are time-weighted too. kv_sharing_saving (the vLLM paper's
     memory saving of parallel sampling and beam search, its section 6.3) = time-weighted
     blocks_shared / time-weighted block_refs: the share of block-table entries that sharing
-    (fork, prefix cache) serves without a block of their own. prefix_hit_rate and preemptions use
-    all requests. Speculative decoding as Leviathan et al. (ICML 2023) define it:
+    (fork, prefix cache) serves without a block of their own. completed_requests counts the
+    trace's requests all of whose completions completed (``completed`` counts completions).
+    prefix_hit_rate counts prefix-cache hits only: completions 1.. of a request with n > 1 hold
+    their prompt's KV by a fork, not by a cache lookup, so they are left out of both sums.
+    preemptions use all requests. Speculative decoding as Leviathan et al. (ICML 2023) define it:
     acceptance rate alpha = accepted / (accepted + rejected), each verification stopping at
     its first rejected draft; tokens per verification = 1 + accepted per sequence
     verification; vLLM's draft acceptance rate = accepted / proposed.
@@ -280,9 +295,12 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     per_s = 1.0 / duration if duration > 0 else math.nan
     ttft_ok = done["ttft_slo"].isna() | (ttft <= done["ttft_slo"])
     tpot_ok = done["tpot_slo"].isna() | (tpot.where(multi, 0.0) <= done["tpot_slo"])
+    request = request_of(req)
+    looked_up = request == req["request_id"]  # rows that queried the prefix cache
     out.update(
         duration=float(duration),
         completed=len(done),
+        completed_requests=int((req["finish_reason"] != "abort").groupby(request).all().sum()),
         aborted=len(req) - len(done),
         output_throughput=done["output_tokens"].sum() * per_s,
         total_token_throughput=(done["prompt_tokens"].sum() + done["output_tokens"].sum()) * per_s,
@@ -315,7 +333,9 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
         batch_size_mean=over_time(st["batch_size"]),
         external_fragmentation_mean=over_time(st["external_fragmentation"]),
         kv_sharing_saving=_ratio(over_time(st["blocks_shared"]), over_time(st["block_refs"])),
-        prefix_hit_rate=_ratio(req["cached_tokens"].sum(), req["prompt_tokens"].sum()),
+        prefix_hit_rate=_ratio(
+            req["cached_tokens"][looked_up].sum(), req["prompt_tokens"][looked_up].sum()
+        ),
         preemptions=int(req["preemptions"].sum()),
         spec_acceptance_rate=_ratio(accepted, accepted + st["spec_rejected"].sum()),
         spec_draft_acceptance_rate=_ratio(accepted, st["spec_proposed"].sum()),
@@ -326,6 +346,41 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     )
     # Plain Python scalars, in SUMMARY_KEYS order, so summary.json is stable and diffable.
     return {k: out[k].item() if isinstance(out[k], np.generic) else out[k] for k in SUMMARY_KEYS}
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def abort_reasons(requests: pd.DataFrame) -> list[tuple[int, str]]:
+    """(count, reason) of the aborted requests, most frequent first. Reasons that differ only
+    in their numbers are one group, each number shown as the range it spans ("prompt of 24-40
+    tokens exceeds max_model_len=8"): a request's own length must not split the count."""
+    groups: dict[str, list[list[float]]] = {}
+    for reason in requests_frame(requests).query("finish_reason == 'abort'")["abort_reason"]:
+        text = "no reason recorded" if _is_missing(reason) else reason
+        numbers = [float(n) for n in _NUMBER.findall(text)]
+        groups.setdefault(_NUMBER.sub("{}", text), []).append(numbers)
+    out = []
+    for template, rows in groups.items():
+        spans = [
+            f"{min(col):g}" if min(col) == max(col) else f"{min(col):g}-{max(col):g}"
+            for col in zip(*rows, strict=True)
+        ]
+        out.append((len(rows), template.format(*spans)))
+    return sorted(out, key=lambda item: -item[0])
+
+
+def format_outcome(requests: pd.DataFrame) -> str:
+    """One line: how many requests completed and, if any aborted, how many for which reason
+    ("0 of 6 requests completed: 6 aborted (prompt of 24-40 tokens exceeds max_model_len=8)")."""
+    reasons = abort_reasons(requests)
+    aborted = sum(count for count, _ in reasons)
+    line = f"{len(requests) - aborted} of {len(requests)} requests completed"
+    if not reasons:
+        return line
+    if len(reasons) == 1:
+        return f"{line}: {aborted} aborted ({reasons[0][1]})"
+    return f"{line}: {aborted} aborted ({'; '.join(f'{n}: {r}' for n, r in reasons)})"
 
 
 def _num(value: float, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:

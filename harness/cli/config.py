@@ -13,6 +13,7 @@ import collections.abc
 import dataclasses
 import difflib
 import inspect
+import re
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -38,6 +39,11 @@ RUNTIME_ARGS = {
     "engine": {"model", "allocator", "scheduler", "speculative"},
     "sampling": {"max_tokens", "ignore_eos"},
 }
+# Keys of nodes without a _target_ that the run reads itself (it builds the trace from this).
+READ_BY_RUN = {"trace.generator"}
+# A key an interpolation names: ${trace.rate}, ${.rate}; the first key of a resolver's arguments
+# (${oc.select:trace.rate,1}) too.
+_INTERPOLATION = re.compile(r"\$\{(?:[\w.]+:)?\s*(\.*[A-Za-z_][\w.]*)\s*[},]")
 _RESERVED = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 
@@ -65,9 +71,7 @@ def validate(cfg: DictConfig) -> None:
             "trace.generator is missing: a trace option sets its knobs at trace.* and the call "
             "that builds the trace at trace.generator (see conf/trace/poisson.yaml)"
         )
-    for key in cfg.trace:
-        if key != "generator":
-            _value(cfg.trace, key, f"trace.{key}")  # knobs must be set and resolve
+    check_plain(cfg.trace, "trace", _references(cfg))
     for group in ("model", "allocator", "scheduler", "engine", "sampling"):
         check_node(cfg[group], group, RUNTIME_ARGS.get(group, set()))
     for group in OPTIONAL:
@@ -75,6 +79,14 @@ def validate(cfg: DictConfig) -> None:
             check_node(cfg[group], group, set())
     check_node(cfg.trace.generator, "trace.generator", set())
     engine = cfg.engine
+    # The engine hands max_model_len to the scheduler, whose own check would name the
+    # scheduler's key, which the config cannot set.
+    max_model_len = engine.get("max_model_len")
+    if max_model_len is not None and max_model_len < 1:
+        raise ConfigError(
+            f"engine.max_model_len={max_model_len} must be >= 1, or null (the model's "
+            "max_position_embeddings)"
+        )
     if (engine.get("num_blocks") is None) == (engine.get("kv_cache_bytes") is None):
         raise ConfigError(
             "engine.num_blocks and engine.kv_cache_bytes: set exactly one, e.g. "
@@ -120,6 +132,65 @@ def check_node(node: DictConfig, path: str, runtime: set[str]) -> None:
             break
         if _is_keyword(p) and p.default is p.empty and name not in node and name not in runtime:
             raise ConfigError(f"{path}.{name} is missing: {target} requires it; add it")
+
+
+def check_plain(node: DictConfig, path: str, references: set[str]) -> None:
+    """Check a node without ``_target_`` (a trace option's knobs): every key must resolve and
+    be read, by the run (``READ_BY_RUN``) or through an interpolation (``${trace.rate}``).
+
+    Hydra's advice for a key its struct mode refuses, ``+key=value``, adds it wherever asked:
+    ``+trace.num_requests=2`` beside a generator that takes no such knob would be ignored and
+    the run would replay a trace of another size.
+    """
+    for key in node:
+        where = f"{path}.{key}"
+        value = _value(node, key, where)
+        if where in READ_BY_RUN:
+            continue
+        if not any(_reads(ref, where) for ref in references):
+            for child, sub in node.items():  # the knob's parameter overridden directly
+                if isinstance(sub, DictConfig) and "_target_" in sub and key in sub:
+                    raise ConfigError(
+                        f"{where} is read by nothing: {path}.{child}.{key} is set directly, "
+                        f"bypassing it; set {where} instead"
+                    )
+            keys = [str(k) for k in node if k != key]
+            raise ConfigError(
+                f"{where} is read by nothing: the keys at {path} are {', '.join(keys)}"
+                f"{_did_you_mean(str(key), keys)} (a builder's parameter goes under its "
+                "_target_ node)"
+            )
+        if isinstance(value, DictConfig) and not any(ref == where for ref in references):
+            check_plain(value, where, references)  # read key by key: each one must be
+
+
+def _reads(ref: str, key: str) -> bool:
+    """Whether an interpolation of ``ref`` reads ``key``: the key itself, a node holding it,
+    or a key inside it."""
+    return ref == key or key.startswith(ref + ".") or ref.startswith(key + ".")
+
+
+def _references(cfg: DictConfig) -> set[str]:
+    """Every absolute key an interpolation in ``cfg`` names (``${trace.rate}`` -> trace.rate);
+    relative ones (``${.rate}``) made absolute from where they are written."""
+    out: set[str] = set()
+
+    def walk(value: Any, path: list[str]) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, [*path, str(k)])
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, [*path, str(i)])
+        elif isinstance(value, str):
+            for ref in _INTERPOLATION.findall(value):
+                if ref.startswith("."):
+                    dots = len(ref) - len(ref.lstrip("."))
+                    ref = ".".join([*path[: len(path) - dots], ref.lstrip(".")])
+                out.add(ref)
+
+    walk(OmegaConf.to_container(cfg, resolve=False), [])
+    return out
 
 
 def _value(node: DictConfig, key: str, where: str) -> Any:

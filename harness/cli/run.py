@@ -35,7 +35,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from harness.analysis import results
-from harness.analysis.metrics import format_summary, requests_frame, steps_frame, summarize
+from harness.analysis.metrics import (
+    format_outcome,
+    format_summary,
+    requests_frame,
+    steps_frame,
+    summarize,
+)
 from harness.cli.config import validate
 from harness.cli.replay import check_trace, replay, sampling_params
 from harness.engine import LLMEngine
@@ -91,17 +97,10 @@ def run(
     """
     out = Path(output_dir)
     try:  # everything here checks input: its errors name the setting, not a code path
-        validate(cfg)
+        trace, sampling = check(cfg)
         out.mkdir(parents=True, exist_ok=True)
-        trace = _build(cfg.trace.generator)
         model = _build(cfg.model)
         check_trace(trace, model.vocab_size)
-        sampling = _build(cfg.sampling)
-        try:  # bad values fail now, naming the key (min_tokens against the shortest request)
-            sampling(max_tokens=min((r.max_tokens for r in trace), default=1), ignore_eos=True)
-        except SamplingParamsError as e:
-            field = str(e).split(".", 1)[1]  # "SamplingParams.top_p=..." -> the config key
-            raise ValueError(f"sampling.{field}") from None
         speculative = _build(cfg.speculative) if cfg.get("speculative") is not None else None
         build = partial(
             _build(cfg.engine),
@@ -130,10 +129,12 @@ def run(
     mx.reset_peak_memory()  # mlx_peak_bytes is this run's, not an earlier job's
     started = time.perf_counter()
     try:
+        log.info("replaying %d requests", len(trace))  # in the try: an interrupt keeps rows
         replay(engine, trace, sampling=sampling, progress=cfg.progress)
     except BaseException as e:
         log.error(
-            "replay failed: writing the %d finished requests' rows to %s",
+            "replay %s: writing the %d finished requests' rows to %s",
+            "interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
             len(engine.recorder.requests),
             out,
         )
@@ -164,6 +165,41 @@ def run(
     return summary
 
 
+def check(cfg: DictConfig) -> tuple[Trace, Callable[..., SamplingParams]]:
+    """What can be checked without a model: ``validate``, the trace built and not empty, the
+    sampling values; return the trace and the sampling partial. Raises ``ConfigError``, a
+    component's ``ValueError`` or ``OSError`` naming the setting."""
+    validate(cfg)
+    trace = _build(cfg.trace.generator)
+    if not len(trace):
+        raise ValueError(f"the trace has no requests ({_empty_trace_knobs(cfg)}): nothing to run")
+    sampling = _build(cfg.sampling)
+    try:  # bad values fail now, naming the key (min_tokens against the shortest request)
+        sampling(max_tokens=min(r.max_tokens for r in trace), ignore_eos=True)
+    except SamplingParamsError as e:
+        field = str(e).split(".", 1)[1]  # "SamplingParams.top_p=..." -> the config key
+        raise ValueError(f"sampling.{field}") from None
+    return trace, sampling
+
+
+def _empty_trace_knobs(cfg: DictConfig) -> str:
+    """The knobs that made a trace empty: those set to 0 (trace.num_requests=0; a seed is not
+    a size), else every knob of the trace option (trace.path='empty.jsonl')."""
+    raw = OmegaConf.to_container(cfg.trace, resolve=True)
+    knobs = {f"trace.{k}": v for k, v in raw.items() if k != "generator"}
+    # a generator parameter set directly, not through a knob's interpolation
+    given = OmegaConf.to_container(cfg.trace.generator, resolve=False)
+    knobs |= {
+        f"trace.generator.{k}": raw["generator"][k]
+        for k, v in given.items()
+        if k[0] != "_" and not (isinstance(v, str) and "${" in v)
+    }
+    zero = [
+        f"{k}=0" for k, v in knobs.items() if v == 0 and type(v) is int and not k.endswith("seed")
+    ]
+    return ", ".join(zero or [f"{k}={v!r}" for k, v in knobs.items() if k.count(".") == 1])
+
+
 def warm_up(
     engine: LLMEngine, trace: Trace, num_requests: int, sampling: Callable[..., SamplingParams]
 ) -> None:
@@ -192,6 +228,18 @@ def _build(node: DictConfig) -> Any:
 
 def _tables(engine: LLMEngine):
     return requests_frame(engine.recorder.requests), steps_frame(engine.recorder.steps)
+
+
+def _kept(out: Path) -> str:
+    """What an interrupted run left in ``out``: the finished requests' rows once the replay
+    has begun (``run`` writes them), else nothing."""
+    if not (out / results.REQUESTS_FILE).exists():
+        return f"stopped before the replay; nothing kept in {out}"
+    done = len(results.load_tables(out)[0])
+    return (
+        f"the {done} finished requests' rows kept in {out / results.REQUESTS_FILE} and "
+        f"{results.STEPS_FILE}; no summary.json, so a sweep re-run repeats this run"
+    )
 
 
 def finished_run(output_dir: str | Path, overrides: Sequence[str], ignore: Sequence[str] = ()):
@@ -241,16 +289,19 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         # SystemExit passes through Hydra's handler, which would print a traceback.
         print(f"kvbench: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(format_summary(summary))
-    print(f"results: {out}")
-    if not summary["completed"]:
-        print(
-            f"kvbench: error: no request completed ({summary['aborted']} aborted): see "
-            f"abort_reason in {out / 'requests.parquet'}; a larger arena (engine.num_blocks) "
-            "or shorter requests may fit",
-            file=sys.stderr,
-        )
+    except KeyboardInterrupt:  # Ctrl-C: what was kept, not where Python happened to be
+        print(f"kvbench: interrupted: {_kept(out)}", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports it
+    if not summary["completed"]:  # every figure would be n/a: say why instead
+        print(f"results: {out}")
+        outcome = format_outcome(results.load_tables(out)[0])
+        print(f"kvbench: error: {outcome}; see abort_reason in {out / results.REQUESTS_FILE}",
+              file=sys.stderr)  # fmt: skip
         sys.exit(1)
+    print(format_summary(summary))
+    if summary["aborted"]:
+        print(format_outcome(results.load_tables(out)[0]))
+    print(f"results: {out}")
     return summary
 
 

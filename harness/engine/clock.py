@@ -75,4 +75,4 @@ class WallClock:
 
 
 # The clocks by the name ``engine.clock`` gives (harness.engine.builder.build_engine).
-CLOCKS: dict[str, type[Clock]] = {"virtual": VirtualClock, "wall": WallClock}
+CLOCKS: dict[str, type[Clock]] = {c.name: c for c in (VirtualClock, WallClock)}

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from harness.analysis import compare, results
 
@@ -21,21 +22,21 @@ SWEEP = ("allocator", "trace.rate")
 JOBS = [
     (
         ["allocator=free_list", "trace.rate=16", "progress=false"],
-        dict(completed=6, request_throughput=2.5, output_throughput=20.0, ttft_p50=0.0125,
+        dict(completed_requests=6, request_throughput=2.5, output_throughput=20.0, ttft_p50=0.0125,
              ttft_p99=0.25, tpot_p50=0.004, itl_p99=0.02, goodput=2.0,
              kv_tokens_frac_mean=0.5, kv_utilisation=0.875, preemptions=3,
              prefix_hit_rate=0.0),
     ),
     (
         ["allocator=free_list", "trace.rate=4", "progress=false"],
-        dict(completed=5, request_throughput=1.25, output_throughput=1234.5, ttft_p50=0.002,
-             ttft_p99=0.0035, tpot_p50=0.001, itl_p99=math.nan, goodput=1.0,
+        dict(completed_requests=5, request_throughput=1.25, output_throughput=1234.5,
+             ttft_p50=0.002, ttft_p99=0.0035, tpot_p50=0.001, itl_p99=math.nan, goodput=1.0,
              kv_tokens_frac_mean=0.25, kv_utilisation=0.5, preemptions=0,
              prefix_hit_rate=math.nan),
     ),
     (
         ["allocator=radix", "trace.rate=4", "progress=false"],
-        dict(completed=6, request_throughput=1.5, output_throughput=12.0, ttft_p50=0.001,
+        dict(completed_requests=6, request_throughput=1.5, output_throughput=12.0, ttft_p50=0.001,
              ttft_p99=0.002, tpot_p50=0.003, itl_p99=0.004, goodput=1.5,
              kv_tokens_frac_mean=0.125, kv_utilisation=1.0, preemptions=1,
              prefix_hit_rate=0.375),
@@ -165,7 +166,8 @@ def test_text_table_cell_by_cell(sweep: Path) -> None:
     # Columns line up: every cell ends where its header ends.
     assert len({len(line) for line in lines[1:6]}) == 1
     note = " ".join(lines[6:])
-    assert "summary.json's completed, request_throughput" in note and "docs/results.md" in note
+    assert "summary.json's completed_requests, request_throughput" in note
+    assert "docs/results.md" in note
     assert "virtual clock" in note
 
 
@@ -276,3 +278,52 @@ def test_a_sweep_ends_with_its_table(kvbench, tmp_path: Path, launcher: tuple[st
     assert [line.split()[1] for line in table[3:5]] == ["6", "6"]  # completed
     assert "Columns are summary.json's" in table[5]
     assert not any("results:" in line for line in table)  # no job output after it
+
+
+def test_a_run_without_clock_is_listed_with_its_clock_missing(sweep: Path, capsys) -> None:
+    # summary.json from before the clock was recorded
+    overrides = ["allocator=buddy", "trace.rate=16", "progress=false"]
+    old = sweep / "old"
+    (old / ".hydra").mkdir(parents=True)
+    (old / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    results.write_summary(old, JOBS[0][1])
+    compare.main([str(sweep)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"4 finished runs in {sweep}"
+    assert any(line.startswith("allocator=buddy,trace.rate=16 ") for line in lines)
+    assert "clock not recorded for 1 run" in " ".join(lines)
+
+
+def test_done_counts_requests_not_their_completions(tmp_path: Path) -> None:
+    write_run(tmp_path / "n4", ["sampling.n=4"], dict(completed=48, completed_requests=12))
+    assert compare.table(tmp_path)["done (req)"].tolist() == [12]
+
+
+def test_headline_figures_come_first(sweep: Path) -> None:
+    frame = compare.table(sweep, headline=["kv_sharing_saving", "prefix_hit_rate"])
+    assert list(frame.columns[:4]) == ["run", "KV shared (%)", "prefix hit (%)", "done (req)"]
+    assert list(frame.columns).count("prefix hit (%)") == 1  # moved, not repeated
+
+
+def test_a_headline_without_a_column_names_those_there_are() -> None:
+    with pytest.raises(
+        compare.CompareError, match=r"headline kv_sharing: no column.*kv_sharing_saving"
+    ):
+        compare.CompareCallback(headline=["kv_sharing"])
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "conf/experiment").glob("*.yaml")))
+def test_every_experiment_shows_its_headline_figures(name: str, tmp_path: Path) -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from harness.cli.run import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("config", [f"experiment={name}"], return_hydra_config=True)
+    callback = instantiate(cfg.hydra.callbacks.compare)
+    assert callback.headline
+    write_run(tmp_path / "a", ["allocator=radix"], dict.fromkeys(callback.headline, 0.5))
+    text = compare.format_text(compare.table(tmp_path, callback.headline), tmp_path)
+    shown = {c.key for c in compare.columns(callback.headline) if c.name in text}
+    assert set(callback.headline) <= shown

@@ -9,10 +9,12 @@ import pandas as pd
 import pytest
 
 from harness.analysis.metrics import (
+    CLOCKS,
     REQUEST_COLUMNS,
     STEP_COLUMNS,
     SUMMARY_KEYS,
     MetricsError,
+    abort_reasons,
     decode_stalls,
     decode_step_time,
     format_summary,
@@ -20,6 +22,7 @@ from harness.analysis.metrics import (
     steps_frame,
     summarize,
 )
+from harness.engine.clock import CLOCKS as ENGINE_CLOCKS
 
 NAN = math.nan
 
@@ -266,8 +269,19 @@ def _reference(reqs, steps, clock):
     out["external_fragmentation_mean"] = over_time([s["external_fragmentation"] for s in steps])
     shared, refs = (over_time([s[k] for s in steps]) for k in ("blocks_shared", "block_refs"))
     out["kv_sharing_saving"] = shared / refs if refs > 0 else math.nan
-    out["prefix_hit_rate"] = sum(r["cached_tokens"] for r in reqs) / sum(
-        r["prompt_tokens"] for r in reqs
+    ids = {r["request_id"] for r in reqs}
+
+    def root(rid):  # completion k > 0 of a request with n > 1 is "ID/k"
+        parent, _, k = rid.rpartition("/")
+        return parent if k.isdigit() and parent in ids else rid
+
+    groups = {}
+    for r in reqs:
+        groups.setdefault(root(r["request_id"]), []).append(r["finish_reason"] != "abort")
+    out["completed_requests"] = sum(all(g) for g in groups.values())
+    lookups = [r for r in reqs if root(r["request_id"]) == r["request_id"]]
+    out["prefix_hit_rate"] = sum(r["cached_tokens"] for r in lookups) / sum(
+        r["prompt_tokens"] for r in lookups
     )
     out["preemptions"] = sum(r["preemptions"] for r in reqs)
     proposed = sum(s["spec_proposed"] for s in steps)
@@ -297,7 +311,7 @@ def _random_tables(seed):
         abort = rng.random() < 0.15
         reqs.append(
             _request(
-                f"r{i}",
+                f"r{rng.randrange(i)}/{i}" if i and rng.random() < 0.2 else f"r{i}",  # a fork
                 arrival,
                 times,
                 reason="abort" if abort else "stop",
@@ -352,3 +366,45 @@ def test_every_summary_key_matches_an_independent_loop(seed):
         else:
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
     assert "KV slots (peak)" in format_summary(got)
+
+
+def test_abort_reasons_group_reasons_that_differ_only_in_numbers() -> None:
+    long = "prompt of {} tokens exceeds max_model_len=8"
+    rows = [
+        _request("a", 0.0, [], reason="abort", abort_reason=long.format(9)),
+        _request("b", 0.0, [], reason="abort", abort_reason=long.format(40)),
+        _request("c", 0.0, [], reason="abort", abort_reason=long.format(12)),
+        _request("d", 0.0, [], reason="abort", abort_reason="prompt logprobs need 3 slots"),
+        _request("e", 0.0, [1.0]),
+    ]
+    assert abort_reasons(requests_frame(rows)) == [
+        (3, "prompt of 9-40 tokens exceeds max_model_len=8"),
+        (1, "prompt logprobs need 3 slots"),
+    ]
+
+
+def test_prefix_hit_rate_counts_only_prefix_cache_hits():
+    """Completion 1 of a request with n = 2 holds its prompt's KV by a fork: no lookup."""
+    rows = [
+        _request("a", 0.0, [1.0], cached_tokens=4),
+        _request("a/1", 0.0, [1.0], cached_tokens=10),
+        _request("b", 0.0, [1.0], cached_tokens=0),
+    ]
+    s = summarize(requests_frame(rows), steps_frame([]), clock="virtual")
+    assert s["prefix_hit_rate"] == pytest.approx(4 / 20)
+
+
+def test_completed_requests_counts_requests_not_their_completions():
+    rows = [
+        _request("a", 0.0, [1.0]),
+        _request("a/1", 0.0, [1.0]),
+        _request("b", 0.0, [1.0]),
+        _request("b/1", 0.0, [], reason="abort"),
+        _request("c/1", 0.0, [1.0]),  # a trace id with a slash: no request "c"
+    ]
+    s = summarize(requests_frame(rows), steps_frame([]), clock="virtual")
+    assert (s["completed"], s["completed_requests"]) == (4, 2)
+
+
+def test_the_clock_names_are_the_engines() -> None:
+    assert set(CLOCKS) == set(ENGINE_CLOCKS)

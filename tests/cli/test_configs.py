@@ -207,6 +207,32 @@ def test_bad_config_names_the_key(compose_cfg, overrides, message) -> None:
         validate(compose_cfg(overrides))
 
 
+def test_max_model_len_below_1_names_the_engine_key(compose_cfg) -> None:
+    # the engine passes it on to the scheduler, whose own check would name scheduler's key
+    with pytest.raises(ConfigError, match=r"^engine\.max_model_len=0 must be >= 1"):
+        validate(compose_cfg(["engine.max_model_len=0"]))
+
+
+def test_a_key_no_component_reads_is_refused_naming_the_keys_there(compose_cfg) -> None:
+    # Hydra's advice for an unknown key (+key=value) adds it where nothing reads it
+    cfg = compose_cfg(["trace=shared_prefix", "+trace.num_requests=2"])
+    unread = r"^trace\.num_requests is read by nothing: the keys at trace are rate, num_system_"
+    with pytest.raises(ConfigError, match=unread + r"prompts, .*generator"):
+        validate(cfg)
+
+
+def test_a_knob_bypassed_by_its_builders_parameter_names_the_knob(compose_cfg) -> None:
+    bypassed = r"^trace\.num_requests is read by nothing: trace\.generator\.num_requests is set"
+    with pytest.raises(ConfigError, match=bypassed + r" directly.*set trace\.num_requests"):
+        validate(compose_cfg(["trace.generator.num_requests=3"]))
+
+
+def test_a_knob_read_by_interpolation_from_another_node_passes(compose_cfg) -> None:
+    cfg = compose_cfg(["+trace.budget=64", "scheduler=chunked_prefill"])
+    cfg.scheduler.max_num_batched_tokens = "${trace.budget}"
+    validate(cfg)
+
+
 def test_misspelt_override_is_refused_by_hydra(compose_cfg) -> None:
     with pytest.raises(ConfigCompositionException, match=r"trace\.rat"):
         compose_cfg(["trace.rat=2"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -143,6 +144,39 @@ def test_interrupted_sweep_rerun_completes_only_missing_jobs(tmp_path: Path) -> 
     assert len(results.load(sweep)) == 4
 
 
+def test_ctrl_c_says_in_one_line_what_was_kept_and_exits_130(tmp_path: Path) -> None:
+    from conftest import ROOT, TINY
+
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    args = [*TINY, "trace.num_requests=2000", "warmup=0"]  # still replaying when interrupted
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli.run", *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        for line in proc.stdout:  # Hydra's log, flushed line by line
+            if "replaying 2000 requests" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    (run_dir,) = (tmp_path / "results/default/runs").iterdir()
+    kept = len(results.load_tables(run_dir)[0])
+    assert proc.returncode == 130
+    assert err == (
+        f"kvbench: interrupted: the {kept} finished requests' rows kept in "
+        f"{run_dir / 'requests.parquet'} and steps.parquet; no summary.json, so a sweep re-run "
+        "repeats this run\n"
+    )
+    assert results.read_summary(run_dir) is None
+
+
 def test_a_folder_holding_other_overrides_is_never_skipped(tmp_path: Path) -> None:
     summary = {"overrides": ["allocator=radix", "sweep_id=a"], "clock": "virtual"}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
@@ -201,10 +235,35 @@ def test_a_wrong_setting_is_one_line_naming_it_and_exit_status_2(kvbench, overri
     assert re.search(message, line), line
 
 
-def test_a_run_that_completes_nothing_says_so_and_fails(kvbench) -> None:
-    proc = kvbench("engine.num_blocks=1", check=False)  # no smoke prompt fits in one block
+def test_a_run_that_completes_nothing_counts_requests_by_abort_reason(kvbench) -> None:
+    proc = kvbench("engine.max_model_len=8", check=False)  # every smoke prompt is longer
     assert proc.returncode == 1
-    assert "kvbench: error: no request completed (6 aborted)" in proc.stderr
+    assert "n/a" not in proc.stdout  # no table of figures that do not exist
+    assert re.fullmatch(
+        r"kvbench: error: 0 of 6 requests completed: 6 aborted \(prompt of \d+-\d+ tokens "
+        r"exceeds max_model_len=8\); see abort_reason in \S+requests\.parquet\n",
+        proc.stderr,
+    ), proc.stderr
+
+
+def test_a_run_where_some_requests_abort_counts_them(kvbench) -> None:
+    proc = kvbench("engine.max_model_len=30")  # smoke's prompts: 24, 28, 29, 32, 38, 40 tokens
+    expected = (
+        "3 of 6 requests completed: 3 aborted (prompt of 32-40 tokens exceeds max_model_len=30)"
+    )
+    assert expected in proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "knob"),
+    [(["trace.num_requests=0"], "trace.num_requests=0"),
+     (["trace=file", "trace.path=empty.jsonl"], "trace.path='empty.jsonl'")],
+)  # fmt: skip
+def test_an_empty_trace_names_its_knob_before_any_work(kvbench, tmp_path, overrides, knob):
+    (tmp_path / "empty.jsonl").write_text("")
+    proc = kvbench(*overrides, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr == f"kvbench: error: the trace has no requests ({knob}): nothing to run\n"
 
 
 def test_the_warm_up_leaves_the_measured_engine_clean(compose_cfg, tmp_path: Path) -> None:

@@ -456,6 +456,7 @@ class LLMEngine:
             build_time=forward.build_time if forward else 0.0,
             swap_time=swap_time,
             verifications=self._verifications,
+            work=forward.work if forward else None,
         )
         return outputs
 

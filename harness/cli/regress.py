@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
         if c["status"] == "improved":
             print(
                 f"{PROG}: note: improved: {c['figure']} = {c['value']:.6g}, baseline "
-                f"{c['baseline']:.6g}: rewrite the baseline so it guards the new value"
+                f"{c['baseline']:.6g}; once intended, rewrite the baseline to guard it"
             )
     print(
         f"figures: {status.count('ok') + status.count('improved')} passed, "

@@ -64,16 +64,17 @@ def run_batch_generator(
     return first_all - start, end - first_all, None
 
 
-def run_engine(
+def workload_engine(
     loaded: LoadedModel,
     allocator: str,
     prompts: list[list[int]],
     new: list[int],
     batch: int,
     block_size: int,
-) -> tuple[float, float, float]:
-    """(seconds until every request has a token, seconds after, share outside the forward), with
-    ``allocator`` a conf/allocator/ option."""
+) -> LLMEngine:
+    """An FCFS engine with room for every request at once, at most ``batch`` running, and
+    the greedy requests added (all at t=0): stepping it to the end runs the workload.
+    ``allocator`` is a conf/allocator/ option."""
     longest = max(len(p) + n for p, n in zip(prompts, new, strict=True))
     need = sum(-(-(len(p) + n) // block_size) for p, n in zip(prompts, new, strict=True))
     cfg = compose_config(
@@ -92,9 +93,22 @@ def run_engine(
         num_blocks=2 * need + 16,  # slack so region allocators grow without preempting
         max_model_len=longest,
     )
-    start = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, new, strict=True)):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return engine
+
+
+def run_engine(
+    loaded: LoadedModel,
+    allocator: str,
+    prompts: list[list[int]],
+    new: list[int],
+    batch: int,
+    block_size: int,
+) -> tuple[float, float, float]:
+    """(seconds until every request has a token, seconds after, share outside the forward)."""
+    engine = workload_engine(loaded, allocator, prompts, new, batch, block_size)
+    start = time.perf_counter()  # the requests are in, none has run
     first_all = None
     while engine.has_unfinished_requests():
         engine.step()

@@ -1,17 +1,37 @@
-"""``kvbench-regress``: a fixed small suite whose figures do not move with the machine's speed,
-compared with the baseline committed for this platform (``results/baselines/<platform>.json``).
+"""``kvbench-regress``: a fixed small suite compared with the baseline committed for this
+platform (``results/baselines/<platform>.json``).
 
     kvbench-regress                        run, write results/regress/<run id>/regress.json, compare
     kvbench-regress --update-baseline      the same, then make this run's figures the baseline
-    kvbench-regress --only engine,padding  some groups of figures (the others are not compared)
+    kvbench-regress --only work,padding    some groups of figures (the others are not compared)
 
-Each figure is a ratio of two things timed side by side in this process, or a count no timing
-changes, so a slower or busier machine moves it little while a slower engine, allocator or a
-padded batch moves it a lot. Every timed comparison runs ``--rounds`` times, interleaved:
+Counts gate; timings are printed. The ``work`` figures count what the engine does (the step
+rows' ``model_runner.Work`` columns and a profile of Python calls) on workloads whose every
+request arrives at t=0, so the schedule, hence every count, is the same on any machine under
+any load (identical to the last digit in runs alone, beside two busy loops and after other
+groups). They gate exactly, or within 1 % for Python calls (an interpreter or library version
+may add a few), so padding or host work coming back fails on any machine:
+
+    work.<w>.query_padding     query positions computed / tokens fed (1.0: no padding)
+    work.<w>.kv_read_waste     KV slots gathered / KV slots attended (block tails, padding)
+    work.<w>.row_groups        padded batches over the run (each a pass over the weights)
+    work.<w>.calls_per_step    Python function calls per engine step (host overhead)
+                               <w>: bench engine's uniform and mixed workloads (tiny model,
+                               free list, FCFS, at most 8 running)
+    work.contiguous.block_copies   block copies of the mixed workload on contiguous regions
+    work.padding.prefill, work.padding.decode   bench padding's mixed batch / the sum of its
+                               parts, in query positions (prefill) and KV slots read (decode)
+    sweep.prefix_hit_rate      the radix sweep run's prefix hit rate (a count too: exact)
+
+The timed figures below are ratios of things timed side by side in this process (interleaved
+``--rounds`` times), printed beside their baseline and never failing the run: under load they
+move further than any regression they could catch (two suites at once: engine.uniform 31 %
+below its baseline, padding.prefill 55 % above and 40 % below, sweep.ttft_p50 56 % above;
+docs/design.md section 11), and what they caught, padding and host work, the counts catch
+exactly. Read them on a quiet machine.
 
     engine.uniform, engine.mixed   BatchGenerator seconds / LLMEngine seconds for the same
-                                   requests (bench engine's uniform and mixed workloads, tiny
-                                   model, free list), the fastest round of each
+                                   requests (the work workloads), the fastest round of each
     engine.outside_forward         share of the engine's decode step time outside the model
                                    forward (uniform workload, median over rounds)
     allocators.<variant>           the allocator's calls/s on bench allocators' replay / calls/s
@@ -21,13 +41,15 @@ padded batch moves it a lot. Every timed comparison runs ``--rounds`` times, int
     sweep.ttft_p50, sweep.throughput  radix / free list, kvbench runs on a shared-prefix batch
                                    (16 requests at t=0, FCFS): TTFT p50 and total token
                                    throughput, the best round of each
-    sweep.prefix_hit_rate          the radix run's prefix hit rate (no timing in it)
 
-A figure regresses when it is worse than its baseline by more than its relative tolerance
-(``FIGURES``, set above the spread measured over repeated runs: docs/design.md section 11).
-Exit status: 0 no regression, or no baseline for this platform yet (the figures are written;
-``--update-baseline`` starts one); 1 some figure regressed (each named on stderr with its
-value, baseline and limit); 2 wrong input (a malformed baseline, an unknown group).
+A gating figure regresses when it is worse than its baseline by more than its tolerance
+(``FIGURES``); one better by more is "improved": it passes, with a note to rewrite the
+baseline (else a later regression back to the old value would pass). A figure missing from the
+baseline (one written before it existed, or a platform's not regenerated yet) is not compared
+yet: named in a note, never failing. Exit status: 0 no regression, or no baseline for this
+platform yet (the figures are written; ``--update-baseline`` starts one); 1 some figure
+regressed (each named on stderr with its value, baseline and limit); 2 wrong input (a malformed
+baseline, an unknown group).
 """
 
 from __future__ import annotations
@@ -51,6 +73,8 @@ from harness.bench import allocators as bench_allocators
 from harness.bench import engine as bench_engine
 from harness.bench import padding as bench_padding
 from harness.cli.run import CONFIG_DIR, run, run_id
+from harness.engine.kv_cache import KVArena
+from harness.engine.model_runner import ModelRunner
 from harness.platform import machine
 from harness.platform.models import LoadedModel, random_model
 
@@ -75,17 +99,24 @@ SWEEP = (
     "progress=false",
 )
 SWEEP_POLICIES = ("allocator=free_list", "allocator=radix")
+ENGINE_WORKLOADS = ("uniform", "mixed")
 
 
 @dataclass(frozen=True)
 class Figure:
-    """A figure of the suite: which way is better, and how much worse than the baseline
-    (relative) still counts as noise."""
+    """A figure of the suite and which way is better. A figure that gates has a relative
+    ``tolerance``: worse than the baseline by more fails the run. ``tolerance`` None: a timed
+    figure, printed beside its baseline, never failing (it moves with load: module docstring).
+    """
 
     name: str
     group: str
     better: Literal["higher", "lower"]
-    tolerance: float
+    tolerance: float | None = None
+
+    @property
+    def gates(self) -> bool:
+        return self.tolerance is not None
 
     def limit(self, baseline: float) -> float:
         """The worst value that still passes against ``baseline``."""
@@ -97,20 +128,41 @@ class Figure:
         limit = self.limit(baseline)
         return value < limit if self.better == "higher" else value > limit
 
+    def improved(self, value: float, baseline: float) -> bool:
+        """Better than ``baseline`` by more than the tolerance: the baseline is stale."""
+        mirror = 2 * baseline - self.limit(baseline)
+        return value > mirror if self.better == "higher" else value < mirror
+
+
+EXACT = 0.0  # a count: the same code on the same inputs does the same work
+CALLS = 0.01  # Python calls: exact for one interpreter and library versions; 1 % for others
 
 _VARIANTS = [v.name for v in bench_allocators.variants(max_len=0)]
 FIGURES = {
     f.name: f
     for f in (
-        Figure("engine.uniform", "engine", "higher", 0.35),
-        Figure("engine.mixed", "engine", "higher", 0.35),
-        Figure("engine.outside_forward", "engine", "lower", 0.6),
-        *(Figure(f"allocators.{name}", "allocators", "higher", 0.4) for name in _VARIANTS),
-        Figure("padding.prefill", "padding", "lower", 2.0),
-        Figure("padding.decode", "padding", "lower", 2.0),
-        Figure("sweep.ttft_p50", "sweep", "lower", 0.35),
-        Figure("sweep.throughput", "sweep", "higher", 0.35),
-        Figure("sweep.prefix_hit_rate", "sweep", "higher", 0.02),
+        *(
+            fig
+            for name in ENGINE_WORKLOADS
+            for fig in (
+                Figure(f"work.{name}.query_padding", "work", "lower", EXACT),
+                Figure(f"work.{name}.kv_read_waste", "work", "lower", EXACT),
+                Figure(f"work.{name}.row_groups", "work", "lower", EXACT),
+                Figure(f"work.{name}.calls_per_step", "work", "lower", CALLS),
+            )
+        ),
+        Figure("work.contiguous.block_copies", "work", "lower", EXACT),
+        Figure("work.padding.prefill", "work", "lower", EXACT),
+        Figure("work.padding.decode", "work", "lower", EXACT),
+        Figure("engine.uniform", "engine", "higher"),
+        Figure("engine.mixed", "engine", "higher"),
+        Figure("engine.outside_forward", "engine", "lower"),
+        *(Figure(f"allocators.{name}", "allocators", "higher") for name in _VARIANTS),
+        Figure("padding.prefill", "padding", "lower"),
+        Figure("padding.decode", "padding", "lower"),
+        Figure("sweep.ttft_p50", "sweep", "lower"),
+        Figure("sweep.throughput", "sweep", "higher"),
+        Figure("sweep.prefix_hit_rate", "sweep", "higher", EXACT),
     )
 }
 GROUPS = tuple(dict.fromkeys(f.group for f in FIGURES.values()))
@@ -126,22 +178,78 @@ def platform_name() -> str:
 
 
 # -- the suite -------------------------------------------------------------------------------
+Workload = tuple[list[list[int]], list[int], int]  # prompts, new tokens each, running at most
+
+
+def engine_workloads(vocab: int) -> dict[str, Workload]:
+    """Bench engine's uniform and mixed workloads at the sizes of ``UNIFORM`` and ``MIXED``."""
+    rng = np.random.default_rng(0)
+    uniform = [rng.integers(1, vocab, UNIFORM["prompt"]).tolist() for _ in range(UNIFORM["batch"])]
+    mixed = bench_engine.mixed_workload(vocab, MIXED["requests"], seed=0)
+    return {
+        "uniform": (uniform, [UNIFORM["new"]] * UNIFORM["batch"], UNIFORM["batch"]),
+        "mixed": (*mixed, MIXED["batch"]),
+    }
+
+
+def replay(loaded: LoadedModel, allocator: str, workload: Workload) -> tuple[list[dict], int]:
+    """Run ``workload`` to the end on a fresh FCFS engine over ``allocator`` (a
+    conf/allocator/ option), every request in before the first step (so the schedule, hence
+    every step row's counts, is the same on any machine under any load); its step rows, and
+    the Python function calls made while stepping (profile "call" events: functions,
+    methods, generator resumptions; C functions not counted)."""
+    engine = bench_engine.workload_engine(loaded, allocator, *workload, BLOCK_SIZE)
+    calls = 0
+
+    def count(frame, event: str, arg) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        sys.setprofile(None)
+    return engine.recorder.steps, calls
+
+
+def work_figures(loaded: LoadedModel) -> dict[str, float]:
+    """Counts of the work the engine does, from the step rows (``model_runner.Work``) and a
+    profile of the replay; no timing in any of them."""
+    figures: dict[str, float] = {}
+    workloads = engine_workloads(loaded.vocab_size)
+    for name, workload in workloads.items():
+        replay(loaded, "free_list", workload)  # first calls (caches, imports) not counted
+        steps, calls = replay(loaded, "free_list", workload)
+        total = {c: sum(s[c] for s in steps) for c in steps[0]}
+        tokens = total["prefill_tokens"] + total["decode_tokens"]
+        figures |= {
+            f"work.{name}.query_padding": total["query_tokens_padded"] / tokens,
+            f"work.{name}.kv_read_waste": total["kv_slots_read"] / total["kv_slots_attended"],
+            f"work.{name}.row_groups": total["row_groups"],
+            f"work.{name}.calls_per_step": calls / len(steps),
+        }
+    steps, _ = replay(loaded, "contiguous", workloads["mixed"])
+    figures["work.contiguous.block_copies"] = sum(s["block_copies"] for s in steps)
+    # bench padding's cases in work instead of seconds: mixed batch / the parts' sum
+    runner = ModelRunner(
+        loaded, KVArena.for_model(loaded, bench_padding.ARENA_BLOCKS, bench_padding.BLOCK_SIZE)
+    )
+    for case, field in (("prefill", "query_tokens_padded"), ("decode", "kv_slots_read")):
+        part_a, part_b, mixed = (
+            getattr(runner.forward(rows).work, field)
+            for rows in bench_padding.batches(loaded.vocab_size)[case]
+        )
+        figures[f"work.padding.{case}"] = mixed / (part_a + part_b)
+    return figures
+
+
 def engine_figures(loaded: LoadedModel, rounds: int) -> dict[str, float]:
     """BatchGenerator / LLMEngine seconds on bench engine's uniform and mixed workloads, and
     the engine's share of decode step time outside the forward."""
-    rng = np.random.default_rng(0)
-    uniform = [
-        rng.integers(1, loaded.vocab_size, UNIFORM["prompt"]).tolist()
-        for _ in range(UNIFORM["batch"])
-    ]
-    workloads = {
-        "uniform": (uniform, [UNIFORM["new"]] * UNIFORM["batch"], UNIFORM["batch"]),
-        "mixed": (
-            *bench_engine.mixed_workload(loaded.vocab_size, MIXED["requests"], seed=0),
-            MIXED["batch"],
-        ),
-    }
-    warm = [rng.integers(1, loaded.vocab_size, 16).tolist()]
+    workloads = engine_workloads(loaded.vocab_size)
+    warm = [np.random.default_rng(1).integers(1, loaded.vocab_size, 16).tolist()]
     bench_engine.run_batch_generator(loaded, warm, [4], 1)
     bench_engine.run_engine(loaded, "free_list", warm, [4], 1, BLOCK_SIZE)
     seconds: dict[tuple[str, str], list[float]] = {}
@@ -237,8 +345,10 @@ def sweep_figures(out: Path, rounds: int) -> dict[str, float]:
 
 def measure(groups: tuple[str, ...], out: Path, rounds: int = ROUNDS) -> dict[str, float]:
     """The figures of ``groups``, in ``FIGURES`` order; the sweep's runs go under ``out``."""
-    loaded = random_model("llama", "tiny", seed=0) if {"engine", "padding"} & set(groups) else None
+    tiny = {"work", "engine", "padding"} & set(groups)
+    loaded = random_model("llama", "tiny", seed=0) if tiny else None
     steps: dict[str, Callable[[], dict[str, float]]] = {
+        "work": lambda: work_figures(loaded),
         "engine": lambda: engine_figures(loaded, rounds),
         "allocators": lambda: allocator_figures(rounds),
         "padding": lambda: padding_figures(loaded, rounds),
@@ -279,34 +389,43 @@ def read_baseline(path: Path) -> dict[str, Any] | None:
 
 
 def compare_figures(figures: dict[str, float], baseline: dict[str, float]) -> list[dict[str, Any]]:
-    """One check per figure measured: ``status`` regressed, ok, or new (not in the baseline)."""
+    """One check per figure measured, its ``status``: regressed, ok, improved (a gating figure
+    better than its baseline by more than its tolerance: passes, the baseline is stale), new
+    (not in the baseline: not compared yet) or timed (printed, never gating)."""
     checks = []
     for name, value in figures.items():
         figure, base = FIGURES[name], baseline.get(name)
+        compared = base is not None and figure.gates
         check = {
             "figure": name,
             "value": value,
             "baseline": base,
             "better": figure.better,
             "tolerance": figure.tolerance,
-            "limit": None if base is None else figure.limit(base),
-            "status": "new",
+            "limit": figure.limit(base) if compared else None,
+            "status": "new" if base is None else "timed",
         }
-        if base is not None:
-            check["status"] = "regressed" if figure.regressed(value, base) else "ok"
+        if compared:
+            check["status"] = (
+                "regressed"
+                if figure.regressed(value, base)
+                else "improved"
+                if figure.improved(value, base)
+                else "ok"
+            )
         checks.append(check)
     return checks
 
 
 def format_checks(checks: list[dict[str, Any]]) -> str:
     """A fixed-width table: figure, value, baseline, the limit it must not cross, status."""
-    head = f"{'figure':<31}{'value':>9}{'baseline':>10}{'limit':>10}  {'better':<7}status"
+    head = f"{'figure':<32}{'value':>12}{'baseline':>12}{'limit':>12}  {'better':<7}status"
     rows = [head, "-" * len(head)]
     for c in checks:
-        base = "-" if c["baseline"] is None else f"{c['baseline']:.3f}"
-        limit = "-" if c["limit"] is None else f"{c['limit']:.3f}"
+        base = "-" if c["baseline"] is None else f"{c['baseline']:.6g}"
+        limit = "-" if c["limit"] is None else f"{c['limit']:.6g}"
         rows.append(
-            f"{c['figure']:<31}{c['value']:>9.3f}{base:>10}{limit:>10}  {c['better']:<7}"
+            f"{c['figure']:<32}{c['value']:>12.6g}{base:>12}{limit:>12}  {c['better']:<7}"
             f"{c['status']}"
         )
     return "\n".join(rows)
@@ -404,16 +523,30 @@ def main(argv: list[str] | None = None) -> None:
             f"{PROG}: note: the baseline was measured on {baseline.get('machine', {}).get('cpu')},"
             f" this run on {report['machine']['cpu']}; ratios can differ between CPUs"
         )
-    regressed = [c for c in checks if c["status"] == "regressed"]
-    passed = sum(c["status"] == "ok" for c in checks)
-    new = len(checks) - passed - len(regressed)
+    status = [c["status"] for c in checks]
+    new = [c["figure"] for c in checks if c["status"] == "new"]
+    if new:
+        print(
+            f"{PROG}: note: not in the baseline, not compared yet: {', '.join(new)} "
+            "(--update-baseline adds them)"
+        )
+    for c in checks:
+        if c["status"] == "improved":
+            print(
+                f"{PROG}: note: improved: {c['figure']} = {c['value']:.6g}, baseline "
+                f"{c['baseline']:.6g}; once intended, rewrite the baseline to guard it"
+            )
     print(
-        f"figures: {passed} passed, {len(regressed)} failed" + (f", {new} skipped" if new else "")
+        f"figures: {status.count('ok') + status.count('improved')} passed, "
+        f"{status.count('regressed')} failed"
+        + (f", {len(new)} not compared yet" if new else "")
+        + (f", {status.count('timed')} timed (not gated)" if "timed" in status else "")
     )
+    regressed = [c for c in checks if c["status"] == "regressed"]
     for c in regressed:
         print(
-            f"{PROG}: regressed: {c['figure']} = {c['value']:.3f}, baseline {c['baseline']:.3f}, "
-            f"tolerance {c['tolerance']:.0%} ({c['better']} is better: limit {c['limit']:.3f})",
+            f"{PROG}: regressed: {c['figure']} = {c['value']:.6g}, baseline {c['baseline']:.6g}, "
+            f"tolerance {c['tolerance']:.0%} ({c['better']} is better: limit {c['limit']:.6g})",
             file=sys.stderr,
         )
     if regressed:

@@ -264,6 +264,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             build_time=forward.build_time if forward else 0.0,
             swap_time=swap_time,
             verifications=self._verifications,
+            work=forward.work if forward else None,
         )
         return outputs
 

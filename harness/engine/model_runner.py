@@ -42,6 +42,25 @@ class Row:
     ring: Sequence[int] = ()
 
 
+@dataclass(frozen=True)
+class Work:
+    """A forward's work as planned into padded batches: counts that no timing changes, the
+    same on any machine for the same rows. KV slots are per full-attention layer and KV head.
+
+    groups               padded batches (``group_rows``), each a pass over the weights
+    query_tokens_padded  query positions computed: each row padded to its group's longest
+    kv_slots_read        KV slots gathered: each row reads as many blocks as its group's
+                         longest context needs (``BatchLayout.num_read_blocks``), padding
+                         included
+    kv_slots_attended    the rows' contexts without padding: sum of start + tokens
+    """
+
+    groups: int = 0
+    query_tokens_padded: int = 0
+    kv_slots_read: int = 0
+    kv_slots_attended: int = 0
+
+
 @dataclass
 class Forward:
     """A step's forward as a lazy graph: logits of the rows that asked for them
@@ -50,6 +69,7 @@ class Forward:
     logits: mx.array | None
     build_time: float  # building index arrays (Python + numpy)
     graph_time: float  # building the model's lazy graph
+    work: Work
 
 
 class Runner(Protocol):
@@ -112,6 +132,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         groups = group_rows(rows, self.key_cost)
         plans = [self._plan([rows[i] for i in g]) for g in groups]
+        work = Work(
+            groups=len(groups),
+            query_tokens_padded=sum(inputs.size for inputs, _, _ in plans),
+            kv_slots_read=self.arena.block_size
+            * sum(inputs.shape[0] * layout.num_read_blocks for inputs, (layout, _), _ in plans),
+            kv_slots_attended=sum(map(_end, rows)),
+        )
         t1 = time.perf_counter()
         outputs: list[mx.array | None] = []
         for g, (inputs, layout, picks) in zip(groups, plans, strict=True):
@@ -131,7 +158,7 @@ class ModelRunner:
             wanted = [i for i in order if rows[i].num_logits]
             if wanted != sorted(wanted):
                 logits = logits[mx.array(_regroup(rows, order))]
-        return Forward(logits, t1 - t0, time.perf_counter() - t1)
+        return Forward(logits, t1 - t0, time.perf_counter() - t1, work)
 
     def run(self, rows: Sequence[Row]) -> mx.array | None:
         """A synchronised forward: the rows' logits, computed, with the arena's writes."""

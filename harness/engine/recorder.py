@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from harness.engine.model_runner import Work
 from harness.engine.request import Sequence
 from harness.engine.speculative import Verifications
 from schedulers.output import KVStats, SchedulerOutput
@@ -155,11 +156,14 @@ class Recorder:
         build_time: float,
         swap_time: float = 0.0,
         verifications: Verifications | None = None,
+        work: Work | None = None,
     ) -> None:
-        """One row per step: the plan, its timings, and the ``snapshot`` taken during it."""
+        """One row per step: the plan, its timings, the forward's ``work`` (none when
+        nothing ran) and the ``snapshot`` taken during it."""
         if not self.enabled:
             return
         spec = verifications or Verifications()
+        work = work or Work()
         row.update(
             step=len(self._rows),
             start_time=start,
@@ -172,6 +176,11 @@ class Recorder:
             swap_out_blocks=sum(len(s.blocks) for s in plan.swapped_out),
             swap_in_blocks=sum(len(s.blocks) for s in plan.swapped_in),
             swap_time=swap_time,
+            block_copies=len(plan.copies),
+            row_groups=work.groups,
+            query_tokens_padded=work.query_tokens_padded,
+            kv_slots_read=work.kv_slots_read,
+            kv_slots_attended=work.kv_slots_attended,
             mlx_peak_bytes=mx.get_peak_memory(),
             spec_proposed=spec.proposed,
             spec_accepted=spec.accepted,

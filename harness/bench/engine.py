@@ -98,16 +98,10 @@ def workload_engine(
     return engine
 
 
-def run_engine(
-    loaded: LoadedModel,
-    allocator: str,
-    prompts: list[list[int]],
-    new: list[int],
-    batch: int,
-    block_size: int,
-) -> tuple[float, float, float]:
-    """(seconds until every request has a token, seconds after, share outside the forward)."""
-    engine = workload_engine(loaded, allocator, prompts, new, batch, block_size)
+def run_engine(engine: LLMEngine) -> tuple[float, float, float]:
+    """Step a ``workload_engine`` to the end: (seconds until every request has a token,
+    seconds after, share outside the forward)."""
+    requests = _live(engine)
     start = time.perf_counter()  # the requests are in, none has run
     first_all = None
     while engine.has_unfinished_requests():
@@ -120,7 +114,7 @@ def run_engine(
     total = sum(s["duration"] for s in steps)
     outside = 1 - sum(s["forward_time"] for s in steps) / total
     got = {r["request_id"]: r["output_tokens"] for r in engine.recorder.requests}
-    assert [got[str(i)] for i in range(len(prompts))] == list(new)
+    assert all(got[s.request_id] == s.params.max_tokens for s in requests), got
     return first_all - start, end - first_all, outside
 
 
@@ -161,7 +155,7 @@ def main(argv: list[str]) -> None:
         warm = [rng.integers(1, loaded.vocab_size, 16).tolist()]
         # Warm up both paths (first-call allocations, thread pools).
         run_batch_generator(loaded, warm, [4], 1)
-        run_engine(loaded, "free_list", warm, [4], 1, args.block_size)
+        run_engine(workload_engine(loaded, "free_list", warm, [4], 1, args.block_size))
         if "uniform" in workloads:
             _uniform(loaded, size, rng, args)
         if "mixed" in workloads:
@@ -171,14 +165,14 @@ def main(argv: list[str]) -> None:
 def _systems(loaded, prompts, new, batch, block_size):
     yield "BatchGenerator", partial(run_batch_generator, loaded, prompts, new, batch)
     for name in ALLOCATORS:
-        run = partial(run_engine, loaded, name, prompts, new, batch, block_size)
-        yield f"LLMEngine/{name}", run
+        engine = partial(workload_engine, loaded, name, prompts, new, batch, block_size)
+        yield f"LLMEngine/{name}", lambda engine=engine: run_engine(engine())
 
 
 def _uniform(loaded, size, rng, args) -> None:
     print(f"\nuniform: prompt {args.prompt}, new tokens {args.new}")
     header = (
-        f"{'model':6} {'batch':>5} {'system':18} {'prefill tok/s':>13} {'decode tok/s':>12} "
+        f"{'model':6} {'batch':>5} {'system':20} {'prefill tok/s':>13} {'decode tok/s':>12} "
         f"{'prefill ratio':>13} {'decode ratio':>12} {'outside fwd':>11}"
     )
     print(underlined(header))
@@ -192,7 +186,7 @@ def _uniform(loaded, size, rng, args) -> None:
             base = base or (prefill, decode)
             share = "" if outside is None else f"{100 * outside:10.1f}%"
             print(
-                f"{size:6} {batch:5d} {name:18} {prefill:13.0f} {decode:12.0f} "
+                f"{size:6} {batch:5d} {name:20} {prefill:13.0f} {decode:12.0f} "
                 f"{prefill / base[0]:13.2f} {decode / base[1]:12.2f} {share:>11}",
                 flush=True,
             )
@@ -206,7 +200,7 @@ def _mixed(loaded, size, args) -> None:
         f"tokens {sum(len(p) for p in prompts)} (max {max(len(p) for p in prompts)}), output "
         f"tokens {sum(new)} (max {max(new)})"
     )
-    header = f"{'model':6} {'system':18} {'total tok/s':>11} {'ratio':>7} {'outside fwd':>11}"
+    header = f"{'model':6} {'system':20} {'total tok/s':>11} {'ratio':>7} {'outside fwd':>11}"
     print(underlined(header))
     base = None
     for name, run in _systems(loaded, prompts, new, args.mixed_batch, args.block_size):
@@ -214,4 +208,4 @@ def _mixed(loaded, size, args) -> None:
         rate = tokens / (first_s + rest_s)
         base = base or rate
         share = "" if outside is None else f"{100 * outside:10.1f}%"
-        print(f"{size:6} {name:18} {rate:11.0f} {rate / base:7.2f} {share:>11}", flush=True)
+        print(f"{size:6} {name:20} {rate:11.0f} {rate / base:7.2f} {share:>11}", flush=True)

@@ -251,16 +251,19 @@ def engine_figures(loaded: LoadedModel, rounds: int) -> dict[str, float]:
     workloads = engine_workloads(loaded.vocab_size)
     warm = [np.random.default_rng(1).integers(1, loaded.vocab_size, 16).tolist()]
     bench_engine.run_batch_generator(loaded, warm, [4], 1)
-    bench_engine.run_engine(loaded, "free_list", warm, [4], 1, BLOCK_SIZE)
+    bench_engine.run_engine(
+        bench_engine.workload_engine(loaded, "free_list", warm, [4], 1, BLOCK_SIZE)
+    )
     seconds: dict[tuple[str, str], list[float]] = {}
     outside = []
     for _ in range(rounds):
         for name, (prompts, new, batch) in workloads.items():
             first, rest, _ = bench_engine.run_batch_generator(loaded, prompts, new, batch)
             seconds.setdefault((name, "bg"), []).append(first + rest)
-            first, rest, share = bench_engine.run_engine(
+            engine = bench_engine.workload_engine(
                 loaded, "free_list", prompts, new, batch, BLOCK_SIZE
             )
+            first, rest, share = bench_engine.run_engine(engine)
             seconds.setdefault((name, "engine"), []).append(first + rest)
             if name == "uniform":
                 outside.append(share)

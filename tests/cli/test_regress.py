@@ -135,15 +135,22 @@ def test_an_unchanged_run_passes_against_the_baseline_it_just_wrote(baseline, tm
     regress.main([*WORK, "--baseline", str(baseline), "--output", str(tmp_path)])  # no exit
     report = json.loads((tmp_path / regress.FILE).read_text())
     assert {c["status"] for c in report["checks"]} == {"ok"}, report["checks"]
-    assert report["figures"] == json.loads(baseline.read_text())["figures"]  # exactly
+    before = json.loads(baseline.read_text())["figures"]
+    # Counts repeat exactly; Python calls within a call or two a run (a lazy cache warmed by
+    # the first run in a process), well inside their 1 % tolerance.
+    calls = {k for k in before if k.endswith("calls_per_step")}
+    assert {k: v for k, v in report["figures"].items() if k not in calls} == {
+        k: v for k, v in before.items() if k not in calls
+    }
+    assert all(abs(report["figures"][k] / before[k] - 1) < 0.001 for k in calls)
     assert capsys.readouterr().out.rstrip().endswith("figures: 11 passed, 0 failed")
 
 
 def test_more_host_work_per_step_fails_naming_the_calls_per_step(
     baseline, tmp_path, capsys, monkeypatch
 ):
-    """Every step calls a Python function 100 times more: 14 % and 20 % more calls per step
-    on the uniform and mixed workloads (713 and 511 a step), tolerance 1 %."""
+    """Every step calls a Python function 100 times more: 13 % and 19 % more calls per step
+    on the uniform and mixed workloads (752 and 534 a step), tolerance 1 %."""
     step = LLMEngine.step
 
     def overhead() -> None:

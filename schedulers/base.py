@@ -218,7 +218,8 @@ class Scheduler(ABC):
             child.status = Status.WAITING
             self.waiting.appendleft(child)
             return None
-        child.num_computed_tokens = child.num_cached_tokens = parent.num_computed_tokens
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = 0  # on the device by a fork: it looks nothing up
         child.status = Status.RUNNING
         self.running.append(child)
         if self.rings is not None:

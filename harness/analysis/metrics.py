@@ -33,6 +33,7 @@ REQUEST_SCHEMA: dict[str, str] = {
     "prompt_tokens": "int",
     "output_tokens": "int",
     "cached_tokens": "int",  # prefix-cache hit tokens at the first admission
+    "forked_tokens": "int",  # prompt tokens whose KV a fork gave it (n > 1), not looked up
     "preemptions": "int",
     "finish_reason": "str",  # one of FINISH_REASONS
     "abort_reason": "str|None",
@@ -276,8 +277,9 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     blocks_shared / time-weighted block_refs: the share of block-table entries that sharing
     (fork, prefix cache) serves without a block of their own. completed_requests counts the
     trace's requests all of whose completions completed (``completed`` counts completions).
-    prefix_hit_rate counts prefix-cache hits only: completions 1.. of a request with n > 1 hold
-    their prompt's KV by a fork, not by a cache lookup, so they are left out of both sums.
+    prefix_hit_rate counts prefix-cache hits only: completions 1.. of a request with n > 1 that
+    got their prompt's KV by a fork (``forked_tokens`` > 0) looked nothing up, so they are left
+    out of both sums.
     preemptions use all requests. Speculative decoding as Leviathan et al. (ICML 2023) define it:
     acceptance rate alpha = accepted / (accepted + rejected), each verification stopping at
     its first rejected draft; tokens per verification = 1 + accepted per sequence
@@ -301,7 +303,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     ttft_ok = done["ttft_slo"].isna() | (ttft <= done["ttft_slo"])
     tpot_ok = done["tpot_slo"].isna() | (tpot.where(multi, 0.0) <= done["tpot_slo"])
     request = request_of(req)
-    looked_up = request == req["request_id"]  # rows that queried the prefix cache
+    looked_up = req["forked_tokens"] == 0  # rows that queried the prefix cache
     out.update(
         duration=float(duration),
         completed=len(done),

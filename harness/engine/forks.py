@@ -81,6 +81,7 @@ class Forks:
         self._requests[child.request_id] = child
         allocation = self.scheduler.fork(parent, child)
         if allocation is not None:  # its KV is the parent's
+            child.num_forked_tokens = parent.num_computed_tokens
             self.runner.copy_blocks(allocation.copies)
             if self.window is not None:  # a ring is copied, never shared
                 self.window.fork(parent.request_id, child.request_id)

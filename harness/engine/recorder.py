@@ -72,6 +72,7 @@ class Recorder:
             "prompt_tokens": seq.num_prompt_tokens,
             "output_tokens": seq.num_output_tokens,
             "cached_tokens": seq.num_cached_tokens or 0,
+            "forked_tokens": seq.num_forked_tokens,
             "preemptions": seq.preemptions,
             "finish_reason": seq.finish_reason,
             "abort_reason": seq.abort_reason,

@@ -33,6 +33,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at the first admission
+    num_forked_tokens: int = 0  # KV forked from completion 0 (n > 1), never looked up
     preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

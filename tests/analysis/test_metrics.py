@@ -38,6 +38,7 @@ def _request(rid, arrival, times, *, reason="length", ttft_slo=NAN, tpot_slo=NAN
         "prompt_tokens": 10,
         "output_tokens": len(times),
         "cached_tokens": 0,
+        "forked_tokens": 0,
         "preemptions": 0,
         "finish_reason": reason,
         "abort_reason": "client" if reason == "abort" else None,
@@ -279,7 +280,7 @@ def _reference(reqs, steps, clock):
     for r in reqs:
         groups.setdefault(root(r["request_id"]), []).append(r["finish_reason"] != "abort")
     out["completed_requests"] = sum(all(g) for g in groups.values())
-    lookups = [r for r in reqs if root(r["request_id"]) == r["request_id"]]
+    lookups = [r for r in reqs if r["forked_tokens"] == 0]
     out["prefix_hit_rate"] = sum(r["cached_tokens"] for r in lookups) / sum(
         r["prompt_tokens"] for r in lookups
     )
@@ -309,16 +310,19 @@ def _random_tables(seed):
             times.append(t)
             t += rng.choice([0.0, rng.expovariate(20)])  # 0: several tokens in one step
         abort = rng.random() < 0.15
+        fork = i and rng.random() < 0.2
+        prompt = rng.randint(1, 500)
         reqs.append(
             _request(
-                f"r{rng.randrange(i)}/{i}" if i and rng.random() < 0.2 else f"r{i}",  # a fork
+                f"r{rng.randrange(i)}/{i}" if fork else f"r{i}",  # a completion 1..
                 arrival,
                 times,
                 reason="abort" if abort else "stop",
                 ttft_slo=rng.choice([NAN, rng.uniform(0, 2)]),
                 tpot_slo=rng.choice([NAN, rng.uniform(0, 0.1)]),
-                prompt_tokens=rng.randint(1, 500),
+                prompt_tokens=prompt,
                 cached_tokens=rng.randint(0, 1),
+                forked_tokens=prompt if fork and rng.random() < 0.8 else 0,  # else: no room
                 preemptions=rng.randint(0, 2),
             )
         )
@@ -384,14 +388,16 @@ def test_abort_reasons_group_reasons_that_differ_only_in_numbers() -> None:
 
 
 def test_prefix_hit_rate_counts_only_prefix_cache_hits():
-    """Completion 1 of a request with n = 2 holds its prompt's KV by a fork: no lookup."""
+    """Completion 1 of a request with n = 2 holds its prompt's KV by a fork: no lookup.
+    Completion 2 found no room to fork, waited and looked its prompt up (4 of 10 hit)."""
     rows = [
         _request("a", 0.0, [1.0], cached_tokens=4),
-        _request("a/1", 0.0, [1.0], cached_tokens=10),
+        _request("a/1", 0.0, [1.0], forked_tokens=10),
+        _request("a/2", 0.0, [1.0], cached_tokens=4),
         _request("b", 0.0, [1.0], cached_tokens=0),
     ]
     s = summarize(requests_frame(rows), steps_frame([]), clock="virtual")
-    assert s["prefix_hit_rate"] == pytest.approx(4 / 20)
+    assert s["prefix_hit_rate"] == pytest.approx((4 + 4) / 30)
 
 
 def test_completed_requests_counts_requests_not_their_completions():

@@ -53,12 +53,39 @@ class Work:
                          longest context needs (``BatchLayout.num_read_blocks``), padding
                          included
     kv_slots_attended    the rows' contexts without padding: sum of start + tokens
+    attention_pairs      query-key pairs scored: a group's rows x padded queries x padded
+                         keys read, summed over groups
+    logit_rows           positions that get logits (the LM head's rows)
+    single_token_rows    rows that feed one token (decodes)
     """
 
     groups: int = 0
     query_tokens_padded: int = 0
     kv_slots_read: int = 0
     kv_slots_attended: int = 0
+    attention_pairs: int = 0
+    logit_rows: int = 0
+    single_token_rows: int = 0
+
+    @classmethod
+    def of(cls, rows: Sequence[Row], groups: Sequence[Sequence[int]], block_size: int) -> Work:
+        """The work of ``rows`` run as the padded batches ``groups`` (row indices)."""
+        queries = keys = pairs = 0
+        for g in groups:
+            q = max(len(rows[i].tokens) for i in g)
+            k = -(-max(_end(rows[i]) for i in g) // block_size) * block_size
+            queries += len(g) * q
+            keys += len(g) * k
+            pairs += len(g) * q * k
+        return cls(
+            groups=len(groups),
+            query_tokens_padded=queries,
+            kv_slots_read=keys,
+            kv_slots_attended=sum(map(_end, rows)),
+            attention_pairs=pairs,
+            logit_rows=sum(r.num_logits for r in rows),
+            single_token_rows=sum(len(r.tokens) == 1 for r in rows),
+        )
 
 
 @dataclass
@@ -132,13 +159,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         groups = group_rows(rows, self.key_cost)
         plans = [self._plan([rows[i] for i in g]) for g in groups]
-        work = Work(
-            groups=len(groups),
-            query_tokens_padded=sum(inputs.size for inputs, _, _ in plans),
-            kv_slots_read=self.arena.block_size
-            * sum(inputs.shape[0] * layout.num_read_blocks for inputs, (layout, _), _ in plans),
-            kv_slots_attended=sum(map(_end, rows)),
-        )
+        work = Work.of(rows, groups, self.arena.block_size)
         t1 = time.perf_counter()
         outputs: list[mx.array | None] = []
         for g, (inputs, layout, picks) in zip(groups, plans, strict=True):

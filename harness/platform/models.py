@@ -80,6 +80,26 @@ class LoadedModel:
         window = set(self.window_layers)
         return tuple(i for i in range(self.num_layers) if i not in window)
 
+    def shape(self) -> dict[str, Any]:
+        """What a step's cost depends on (a cost profile's ``model``, harness/costmodel):
+        the architecture's sizes and dtype, not the weights' values."""
+        args = self.model.args
+        return {
+            "name": self.name,
+            "model_type": getattr(args, "model_type", None),
+            "num_layers": self.num_layers,
+            "hidden_size": args.hidden_size,
+            "num_heads": args.num_attention_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": getattr(args, "intermediate_size", None),
+            "vocab_size": self.vocab_size,
+            "dtype": str(self.dtype).removeprefix("mlx.core."),
+            "num_params": self.num_params,
+            "window_layers": list(self.window_layers),
+            "window": self.window,
+        }
+
     def layer_bytes_per_token(self) -> int:
         """Bytes of K and V that one token occupies in one layer."""
         return 2 * self.num_kv_heads * self.head_dim * self.dtype.size

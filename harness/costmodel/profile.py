@@ -1,0 +1,163 @@
+"""Step-cost profiles: a step's duration from its work (harness/costmodel/features.py).
+
+A profile file is the contract between the machine that measured (or the device sheet that
+derived) the costs and any machine that replays with them (``engine.clock=model
+engine.profile=PATH``). It is JSON, schema ``kvbench-profile`` version 1:
+
+    format, version      "kvbench-profile", 1
+    kind                 "measured" (kvbench-calibrate) or "roofline"
+                         (harness/costmodel/roofline.py)
+    model                the model's shape: name, fingerprint (``fingerprint``), num_layers,
+                         hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size,
+                         vocab_size, dtype, num_params
+    block_size           the KV block size the work was counted at
+    machine              where it was measured (harness/platform/machine.py ``info``) or the
+                         device it was derived for
+    features             the priced counts, in order (features.FEATURES)
+    kinds                per step kind: {"coefficients": {feature or "step": seconds per
+                         unit}, "residuals": {...}} (measured); "step" is the intercept
+    moves                seconds per block: {"block_copies": ..., "swap_blocks": ...}
+    acceptance_rate      speculative acceptance measured while calibrating (null: none)
+    created              ISO time it was written
+
+A measured profile prices a step as ``moves . counts + kinds[kind] . (1, counts)``: linear
+per step kind, so piecewise-linear over the step's mix of prefill and decode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from harness.costmodel.features import FEATURES, KINDS, StepFeatures
+
+FORMAT, VERSION = "kvbench-profile", 1
+MOVES = ("block_copies", "swap_blocks")  # priced per block, whatever the step's kind
+INTERCEPT = "step"
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file, the field and the fix."""
+
+
+class Profile(Protocol):
+    """What the model clock needs from a profile."""
+
+    path: str
+    kind: str
+    data: dict[str, Any]
+
+    def predict(self, work: StepFeatures) -> float:
+        """The step's duration in seconds."""
+        ...
+
+
+def fingerprint(shape: dict[str, Any]) -> str:
+    """A model's identity for pricing: a hash of its shape (not its weights' values, which
+    do not change a step's cost), the first 16 hex digits of a SHA-256."""
+    keys = sorted(k for k in shape if k not in ("name", "fingerprint"))
+    canonical = json.dumps({k: shape[k] for k in keys}, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+@dataclass
+class MeasuredProfile:
+    """A fitted profile: linear in the step's counts per step kind (module docstring)."""
+
+    path: str
+    data: dict[str, Any]
+    kind: str = "measured"
+
+    def __post_init__(self) -> None:
+        # Rows of (intercept, coefficients in FEATURES order), per kind; moves apart.
+        self._moves = [self.data["moves"].get(m, 0.0) for m in MOVES]
+        self._kinds = {}
+        for kind, fit in self.data["kinds"].items():
+            c = fit["coefficients"]
+            self._kinds[kind] = (c.get(INTERCEPT, 0.0), [c.get(f, 0.0) for f in FEATURES])
+
+    def predict(self, work: StepFeatures) -> float:
+        kind = work.kind
+        if kind not in self._kinds:
+            raise ProfileError(
+                f"{self.path}: field 'kinds' has no {kind!r} steps; calibrate with a grid "
+                f"that runs them ({_HOW[kind]})"
+            )
+        base, coefficients = self._kinds[kind]
+        counts = work.vector()
+        cost = base + sum(c * x for c, x in zip(coefficients, counts, strict=True))
+        moves = (work.block_copies, work.swap_blocks)
+        return cost + sum(c * x for c, x in zip(self._moves, moves, strict=True))
+
+
+_HOW = {
+    "decode": "kvbench-calibrate runs decode steps by default",
+    "prefill": "kvbench-calibrate runs prefill steps by default",
+    "mixed": "kvbench-calibrate runs mixed steps by default",
+    "verify": "kvbench-calibrate speculative=draft",
+    "idle": "kvbench-calibrate runs block moves by default",
+}
+
+
+def load(path: str | os.PathLike) -> Profile:
+    """Read and check a profile file; a bad one raises ProfileError naming file and field."""
+    from harness.costmodel import roofline  # a roofline profile's own pricing
+
+    where = str(path)
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ProfileError(
+            f"engine.profile={where!r}: no such file; write one with kvbench-calibrate "
+            "or harness.costmodel.roofline"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise ProfileError(f"{where}: not a JSON profile ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ProfileError(f"{where}: field 'format' is not {FORMAT!r}; not a kvbench profile")
+    if data.get("version") != VERSION:
+        raise ProfileError(
+            f"{where}: field 'version' is {data.get('version')!r}; this kvbench reads "
+            f"version {VERSION}: re-run kvbench-calibrate"
+        )
+    for name in ("kind", "model", "block_size"):
+        if name not in data:
+            raise ProfileError(f"{where}: field {name!r} is missing; re-run kvbench-calibrate")
+    if data["kind"] == "roofline":
+        return roofline.RooflineProfile(where, data)
+    if data["kind"] != "measured":
+        raise ProfileError(f"{where}: field 'kind' is {data['kind']!r}: measured or roofline")
+    for name in ("kinds", "moves"):
+        if not isinstance(data.get(name), dict):
+            raise ProfileError(f"{where}: field {name!r} is missing; re-run kvbench-calibrate")
+    for kind, fit in data["kinds"].items():
+        if kind not in KINDS:
+            raise ProfileError(f"{where}: field 'kinds' has {kind!r}: kinds are {KINDS}")
+        known = {INTERCEPT, *FEATURES}
+        unknown = set(fit.get("coefficients", {})) - known
+        if unknown:
+            raise ProfileError(
+                f"{where}: kinds.{kind}.coefficients has {sorted(unknown)}: features are "
+                f"{sorted(known)}"
+            )
+    return MeasuredProfile(where, data)
+
+
+def save(data: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write a profile atomically (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

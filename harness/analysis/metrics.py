@@ -61,6 +61,12 @@ STEP_SCHEMA: dict[str, str] = {
     "query_tokens_padded": "int",  # query positions computed, padding included
     "kv_slots_read": "int",  # KV slots gathered per layer and KV head, padding included
     "kv_slots_attended": "int",  # the rows' contexts, no padding
+    "attention_pairs": "int",  # query-key pairs scored per layer and KV head, padding included
+    "logit_rows": "int",  # positions the LM head ran on
+    "single_token_rows": "int",  # rows feeding one token (decodes)
+    "draft_block_copies": "int",  # block copies in the draft model's arena
+    "draft_rounds": "int",  # the draft model's sequential forwards (speculative decoding)
+    "draft_tokens": "int",  # tokens the draft model fed
     "num_waiting": "int",
     "num_running": "int",
     "num_swapped": "int",
@@ -87,9 +93,11 @@ STEP_SCHEMA: dict[str, str] = {
 REQUEST_COLUMNS: tuple[str, ...] = tuple(REQUEST_SCHEMA)
 STEP_COLUMNS: tuple[str, ...] = tuple(STEP_SCHEMA)
 FINISH_REASONS = ("stop", "length", "abort")
-# The names engine.clock takes; harness/engine/clock.py maps them to clocks (kept here too so
-# reading results never imports the engine, and MLX; tests/analysis/test_metrics.py checks both).
-CLOCKS = ("virtual", "wall")
+# The names engine.clock takes: measured (virtual, wall; harness/engine/clock.py) or modelled
+# (model: a cost profile's prices, harness/engine/modelled.py). Kept here too so reading
+# results never imports the engine, and MLX; tests/analysis/test_metrics.py checks both.
+CLOCKS = ("virtual", "wall", "model")
+MODELLED_CLOCKS = ("model",)
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 STATS = ("mean", "p50", "p90", "p99")

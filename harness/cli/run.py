@@ -114,7 +114,7 @@ def run(
         results.write_failure(out, e)
         raise UsageError(str(e)) from e
     machine.set_mlx_cache_limit(cfg.mlx_cache_limit)
-    if cfg.warmup:
+    if cfg.warmup and engine.clock.measures:  # a priced clock has no cold costs to pay
         # First-time costs (allocations, BLAS threads) are the harness's, not the policy's:
         # pay them on a throwaway engine, so the measured one starts with a clean arena,
         # prefix cache and clock. Its buffers go back to MLX's cache for the real one.
@@ -151,7 +151,8 @@ def run(
         num_requests=len(trace),
         max_prefix_hit_rate=trace.metadata.get("max_prefix_hit_rate"),
         max_prefix_hit_rate_blocks=max_prefix_hit_rate(trace.requests, block_size),
-        warmup_requests=min(cfg.warmup, len(trace)),
+        warmup_requests=min(cfg.warmup, len(trace)) if engine.clock.measures else 0,
+        profile=_profile(engine),
         model_name=model.name,
         num_blocks=engine.allocator.num_blocks,
         block_size=block_size,
@@ -163,6 +164,26 @@ def run(
     results.write_vllm_bench(out, summary)
     results.write_summary(out, summary)  # last: a folder with it is a finished run
     return summary
+
+
+def _profile(engine: LLMEngine) -> dict[str, Any] | None:
+    """The cost profile that priced a model clock's steps: its file, kind, where it was
+    measured (or the device it was derived for) and its model (None on a measuring clock)."""
+    profile = getattr(engine.clock, "profile", None)
+    if profile is None:
+        return None
+    data = profile.data
+    where = data.get("machine", {})
+    return {
+        "path": profile.path,
+        "kind": profile.kind,
+        "model": data["model"].get("name"),
+        "fingerprint": data["model"].get("fingerprint"),
+        "block_size": data["block_size"],
+        "machine": where.get("name") or where.get("cpu"),
+        "created": data.get("created"),
+        "acceptance": engine.runner.acceptance if engine.proposer is not None else None,
+    }
 
 
 def check(cfg: DictConfig) -> tuple[Trace, Callable[..., SamplingParams]]:

@@ -59,3 +59,27 @@ class StepFeatures:
 
 # The counts a profile prices, in order (``single_token_rows`` only picks the kind).
 FEATURES: tuple[str, ...] = tuple(f.name for f in fields(StepFeatures))[:-1]
+
+
+# Where each count is in a steps table (harness/analysis/metrics.py STEP_SCHEMA).
+STEP_COLUMNS: dict[str, tuple[str, ...]] = {
+    "rows": ("batch_size",),
+    "groups": ("row_groups",),
+    "query_tokens": ("query_tokens_padded",),
+    "attention": ("attention_pairs",),
+    "kv_read": ("kv_slots_read",),
+    "logits": ("logit_rows",),
+    "block_copies": ("block_copies", "draft_block_copies"),
+    "swap_blocks": ("swap_out_blocks", "swap_in_blocks"),
+    "draft_rounds": ("draft_rounds",),
+    "draft_tokens": ("draft_tokens",),
+    "single_token_rows": ("single_token_rows",),
+}
+
+
+def from_step(row) -> StepFeatures:
+    """A recorded step's counts (a steps-table row, a mapping of its columns)."""
+    counts = {name: sum(int(row[c]) for c in columns) for name, columns in STEP_COLUMNS.items()}
+    if not counts["groups"]:  # nothing ran: the plan's sequences were not rows
+        counts["rows"] = 0
+    return StepFeatures(**counts)

@@ -83,6 +83,8 @@ class MeasuredProfile:
 
     def predict(self, work: StepFeatures) -> float:
         kind = work.kind
+        if kind == "idle" and kind not in self._kinds:  # no row ran: the moves alone
+            self._kinds[kind] = (0.0, [0.0] * len(FEATURES))
         if kind not in self._kinds:
             raise ProfileError(
                 f"{self.path}: field 'kinds' has no {kind!r} steps; calibrate with a grid "
@@ -106,8 +108,6 @@ _HOW = {
 
 def load(path: str | os.PathLike) -> Profile:
     """Read and check a profile file; a bad one raises ProfileError naming file and field."""
-    from harness.costmodel import roofline  # a roofline profile's own pricing
-
     where = str(path)
     try:
         data = json.loads(Path(path).read_text())
@@ -129,7 +129,9 @@ def load(path: str | os.PathLike) -> Profile:
         if name not in data:
             raise ProfileError(f"{where}: field {name!r} is missing; re-run kvbench-calibrate")
     if data["kind"] == "roofline":
-        return roofline.RooflineProfile(where, data)
+        from harness.costmodel.roofline import RooflineProfile  # it imports this module
+
+        return RooflineProfile(where, data)
     if data["kind"] != "measured":
         raise ProfileError(f"{where}: field 'kind' is {data['kind']!r}: measured or roofline")
     for name in ("kinds", "moves"):

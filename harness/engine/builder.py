@@ -15,8 +15,12 @@ from functools import partial
 from typing import Literal
 
 from allocators.base import BlockAllocator
+from harness.costmodel.profile import Profile, fingerprint
+from harness.costmodel.profile import load as load_profile
 from harness.engine.clock import CLOCKS
 from harness.engine.llm_engine import LLMEngine
+from harness.engine.model_runner import key_cost
+from harness.engine.modelled import ModelClock, ModelledProposer, ModelledRunner
 from harness.engine.sampling import LogprobsMode
 from harness.engine.speculative import DraftProposer, Speculation
 from harness.engine.window import WindowGroup
@@ -37,7 +41,9 @@ def build_engine(
     kv_cache_bytes: int | None = None,
     max_model_len: int | None = None,
     speculative: Speculation | None = None,
-    clock: Literal["virtual", "wall"] = "virtual",
+    clock: Literal["virtual", "wall", "model"] = "virtual",
+    profile: str | None = None,
+    acceptance: float | None = None,
     seed: int = 0,
     record: bool = True,
     pipeline: bool = False,
@@ -60,8 +66,12 @@ def build_engine(
     counts the full-attention layers' blocks, and ``kv_cache_bytes`` pays for the rings
     first. Its scheduler reads no prefix cache.
 
-    ``clock``: ``virtual`` or ``wall`` (harness/engine/clock.py). ``seed``,
-    ``record``, ``pipeline`` and ``logprobs_mode`` are ``LLMEngine``'s."""
+    ``clock``: ``virtual`` or ``wall`` (harness/engine/clock.py), or ``model``: no model
+    forward, each step priced by the cost ``profile`` file (harness/engine/modelled.py),
+    speculative drafts accepted with probability ``acceptance`` (default: the profile's
+    measured rate). ``seed``, ``record``, ``pipeline`` and ``logprobs_mode`` are
+    ``LLMEngine``'s."""
+    modelled = _modelled(model, clock, profile, acceptance, speculative, pipeline)
     limit = model.max_position_embeddings
     if max_model_len is not None and (isinstance(max_model_len, bool) or max_model_len < 1):
         raise ValueError(
@@ -123,6 +133,27 @@ def build_engine(
                 f"{per_block} bytes; raise it"
             )
     built = policy(num_blocks)
+    if modelled is not None:
+        profile_, rate = modelled
+        runner = ModelledRunner(
+            block_size=block_size,
+            key_cost=key_cost(model),
+            vocab_size=model.vocab_size,
+            acceptance=rate,
+            seed=seed,
+        )
+        proposer = ModelledProposer(runner, seed) if draft is not None else None
+        return LLMEngine(
+            model,
+            built.allocator,
+            built,
+            proposer=proposer,
+            runner=runner,
+            clock=ModelClock(profile_),
+            seed=seed,
+            record=record,
+            logprobs_mode=logprobs_mode,
+        )
     proposer = DraftProposer(draft, built.draft.allocator) if draft is not None else None
     rings = WindowGroup(model, built.rings) if window is not None else None
     return LLMEngine(
@@ -137,3 +168,54 @@ def build_engine(
         pipeline=pipeline,
         logprobs_mode=logprobs_mode,
     )
+
+
+def _modelled(
+    model: LoadedModel,
+    clock: str,
+    profile: str | None,
+    acceptance: float | None,
+    speculative: Speculation | None,
+    pipeline: bool,
+) -> tuple[Profile, float] | None:
+    """The model clock's profile and acceptance rate, checked (None for a measuring clock)."""
+    if clock != "model":
+        if clock not in CLOCKS:
+            raise ValueError(
+                f"engine.clock={clock!r} is unknown: choose one of {', '.join(CLOCKS)}, model"
+            )
+        if profile is not None or acceptance is not None:
+            raise ValueError(
+                "engine.profile and engine.acceptance are the model clock's: set "
+                "engine.clock=model, or drop them"
+            )
+        return None
+    if profile is None:
+        raise ValueError(
+            "engine.clock=model needs engine.profile=PATH (a kvbench-calibrate profile, or "
+            "python -m harness.costmodel.roofline for a device you do not have)"
+        )
+    priced = load_profile(profile)
+    mine, theirs = fingerprint(model.shape()), priced.data["model"].get("fingerprint")
+    if mine != theirs:
+        raise ValueError(
+            f"engine.profile={profile!r} prices model {priced.data['model'].get('name')!r} "
+            f"(fingerprint {theirs}), not {model.name!r} ({mine}): calibrate this model, "
+            "or pick its model= group"
+        )
+    if model.window_layers:
+        raise ValueError(
+            f"engine.clock=model does not run model {model.name!r}'s sliding-window layers "
+            "yet: use engine.clock=virtual"
+        )
+    if pipeline:
+        raise ValueError("engine.pipeline=true has nothing to overlap on engine.clock=model")
+    rate = acceptance if acceptance is not None else priced.data.get("acceptance_rate")
+    if speculative is not None and rate is None:
+        raise ValueError(
+            f"engine.profile={profile!r} measured no speculative acceptance: set "
+            "engine.acceptance=A (0 <= A <= 1)"
+        )
+    if rate is not None and not (isinstance(rate, (int, float)) and 0 <= rate <= 1):
+        raise ValueError(f"engine.acceptance={rate!r} is invalid: a number in [0, 1]")
+    return priced, 0.0 if rate is None else float(rate)

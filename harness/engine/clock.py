@@ -1,15 +1,20 @@
-"""Engine clocks: virtual (replay without sleeping) and wall (real time)."""
+"""Engine clocks: virtual (replay without sleeping), wall (real time) and model (a cost
+profile's price of each step, harness/engine/modelled.py)."""
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from harness.costmodel.features import StepFeatures
 
 
 class Clock(Protocol):
     """Time as the engine and the metrics see it, in seconds."""
 
     name: str
+    measures: bool  # False: durations are priced (a model clock), not measured
 
     def now(self) -> float: ...
 
@@ -17,8 +22,13 @@ class Clock(Protocol):
         """The time ``elapsed`` seconds after the current step began."""
         ...
 
-    def advance(self, duration: float) -> None:
-        """A step of ``duration`` measured seconds has ended."""
+    def charge(self, work: StepFeatures) -> None:
+        """The current step's work, for a clock that prices it rather than measures it."""
+        ...
+
+    def advance(self, duration: float) -> float:
+        """A step of ``duration`` measured seconds has ended; returns the step's duration
+        on this clock."""
         ...
 
     def wait_until(self, t: float) -> None:
@@ -34,6 +44,7 @@ class VirtualClock:
     """
 
     name = "virtual"
+    measures = True
 
     def __init__(self, start: float = 0.0) -> None:
         self._now = start
@@ -44,8 +55,12 @@ class VirtualClock:
     def after(self, elapsed: float) -> float:
         return self._now + elapsed
 
-    def advance(self, duration: float) -> None:
+    def charge(self, work: StepFeatures) -> None:
+        pass
+
+    def advance(self, duration: float) -> float:
         self._now += duration
+        return duration
 
     def wait_until(self, t: float) -> None:
         self._now = max(self._now, t)
@@ -55,6 +70,7 @@ class WallClock:
     """Real time since the clock was made; idle gaps are slept through."""
 
     name = "wall"
+    measures = True
 
     def __init__(self) -> None:
         self._origin = time.perf_counter()
@@ -65,8 +81,11 @@ class WallClock:
     def after(self, elapsed: float) -> float:
         return self.now()
 
-    def advance(self, duration: float) -> None:
+    def charge(self, work: StepFeatures) -> None:
         pass
+
+    def advance(self, duration: float) -> float:
+        return duration
 
     def wait_until(self, t: float) -> None:
         delay = t - self.now()
@@ -74,5 +93,6 @@ class WallClock:
             time.sleep(delay)
 
 
-# The clocks by the name ``engine.clock`` gives (harness.engine.builder.build_engine).
+# The measuring clocks by the name ``engine.clock`` gives (harness.engine.builder.build_engine);
+# ``model`` (harness/engine/modelled.py's ModelClock) needs a profile.
 CLOCKS: dict[str, type[Clock]] = {c.name: c for c in (VirtualClock, WallClock)}

@@ -60,9 +60,29 @@ def check_request(
     has_window: bool,
     save_kv: str | Path | None,
     restore_kv: str | Path | None,
+    logits: bool = True,
 ) -> None:
     """Combinations this engine cannot run: n > 1 or beams with speculative decoding, KV
-    files with beams or with sliding-window layers, stop strings without a tokenizer."""
+    files with beams or with sliding-window layers, stop strings without a tokenizer, and
+    what needs logits or KV on an engine without a model (``logits`` False: the model
+    clock, harness/engine/modelled.py)."""
+    if not logits:
+        wants = [
+            name
+            for name, on in (
+                ("beam search", beam is not None),
+                ("SamplingParams.logprobs", params.logprobs is not None),
+                ("SamplingParams.prompt_logprobs", params.prompt_logprobs is not None),
+                ("save_kv", save_kv is not None),
+                ("restore_kv", restore_kv is not None),
+            )
+            if on
+        ]
+        if wants:
+            raise RequestError(
+                f"request {request_id!r}: {wants[0]} needs a model's logits or KV, and "
+                "engine.clock=model runs none; drop it or use engine.clock=virtual"
+            )
     if (params.n > 1 or beam) and speculative:
         what = "beam search" if beam else f"SamplingParams.n={params.n}"
         raise RequestError(
@@ -133,6 +153,7 @@ class Intake:
             has_window=self.window is not None,
             save_kv=save_kv,
             restore_kv=restore_kv,
+            logits=self.runner.computes_logits,
         )
         restored = self._restorable(request_id, restore_kv, tokens, params) if restore_kv else None
         with self._lock:

@@ -32,14 +32,22 @@ from harness.engine.forks import Forks
 from harness.engine.intake import Intake, Params
 from harness.engine.kv_cache import HostBlocks, KVArena
 from harness.engine.kv_files import KVFiles
-from harness.engine.model_runner import ModelRunner, Row, Runner
+from harness.engine.model_runner import Forward, ModelRunner, Row, Runner, Work
+from harness.engine.modelled import step_features
 from harness.engine.outputs import Outputs, prompt_positions
 from harness.engine.pipeline import Pipelined
 from harness.engine.recorder import Recorder
 from harness.engine.request import RequestOutput
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import LOGPROBS_MODES, LogprobsMode, sample
-from harness.engine.speculative import DraftProposer, Proposal, Verifications, Verified, verify
+from harness.engine.sampling import LOGPROBS_MODES, LogprobsMode, Sampled, sample
+from harness.engine.speculative import (
+    DraftProposer,
+    Proposal,
+    Verifications,
+    Verified,
+    verify,
+    verify_tokens,
+)
 from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
@@ -111,7 +119,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             runner = ModelRunner(model, arena, window)
         self.runner = runner
         self.proposer = proposer  # the draft model, when speculating
-        self.recorder = Recorder(enabled=record)
+        self.recorder = Recorder(enabled=record, measured=self.clock.measures)
         self._verifications = Verifications()  # this step's, filled by _verify
         self._proposals: dict[Seq, Proposal] = {}  # this step's drafts, from _rows on
         self._lock = threading.RLock()
@@ -236,6 +244,9 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         forward = tokens = None
         if plan.scheduled:
             forward = self.runner.forward(self._rows(plan), self._inflight_tokens)
+        # The step's work, priced by a model clock (a measuring clock ignores it).
+        self.clock.charge(step_features(plan, forward.work if forward else Work()))
+        if forward is not None:
             if pipelined and forward.logits is not None:
                 tokens = mx.argmax(forward.logits, axis=-1)
             wanted = tokens if pipelined else forward.logits
@@ -252,9 +263,8 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
                 waited = time.perf_counter()
                 self.runner.wait([] if forward.logits is None else [forward.logits])
                 self._waited += time.perf_counter() - waited
-                outputs += self._postprocess(plan, forward.logits, start)
-        duration = time.perf_counter() - start
-        self.clock.advance(duration)
+                outputs += self._postprocess(plan, forward, start)
+        duration = self.clock.advance(time.perf_counter() - start)
         self.recorder.step(
             plan,
             snapshot,
@@ -307,11 +317,13 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         return rows
 
     def _postprocess(
-        self, plan: SchedulerOutput, logits: mx.array | None, start: float
+        self, plan: SchedulerOutput, forward: Forward, start: float
     ) -> list[RequestOutput]:
         """Take prompt logprobs and verify drafts, hand the step's results to the scheduler,
         then sample and stamp: a token's time is when it exists, so the clock is read after
-        sampling, ``start`` being the step's ``perf_counter`` start."""
+        sampling, ``start`` being the step's ``perf_counter`` start. A runner without a
+        model chose the tokens itself (``forward.tokens``)."""
+        logits = forward.logits
         sampling, verifying, offset = [], {}, 0  # rows that sample and verify, by logits row
         for s in plan.scheduled:
             seq = s.seq
@@ -325,7 +337,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             if seq.num_computed_tokens + s.num_new_tokens == seq.num_tokens:
                 sampling.append((seq, offset))
                 offset += 1
-        verified = self._verify(logits, verifying) if verifying else []
+        verified = self._verify(forward, verifying) if verifying else []
         self.scheduler.update(plan, {seq: got.tokens[: got.accepted] for seq, got in verified})
         to_sample, picks = [], []
         offering: list[tuple[Seq, int]] = []  # beams offering candidates, and their row
@@ -343,12 +355,15 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         if offering:
             rows = mx.array([i for _, i in offering], dtype=mx.int32)
             candidates = np.array(logits[rows].astype(mx.float32))
-        # Rows of drafts or prompt logprobs beside the sampling ones, or forked completions
-        # sampling from one row: the sampler gets one row of logits per token it draws.
-        if picks != list(range(offset)):
-            logits = logits[mx.array(picks, dtype=mx.int32)] if picks else None
-        rows = [self._sample_row(seq) for seq in to_sample]
-        sampled = sample(logits, rows, self.logprobs_mode) if to_sample else []
+        if forward.tokens is not None:
+            sampled = [Sampled(int(forward.tokens[i])) for i in picks]
+        else:
+            # Rows of drafts or prompt logprobs beside the sampling ones, or forked
+            # completions sampling from one row: one row of logits per token drawn.
+            if picks != list(range(offset)):
+                logits = logits[mx.array(picks, dtype=mx.int32)] if picks else None
+            rows = [self._sample_row(seq) for seq in to_sample]
+            sampled = sample(logits, rows, self.logprobs_mode) if to_sample else []
         now = self.clock.after(time.perf_counter() - start)
         outputs = [self._accept(seq, got, now) for seq, got in verified]
         for seq, pick in zip(to_sample, sampled, strict=True):
@@ -364,19 +379,24 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
                 self.scheduler.park(seq)  # until its siblings have offered too
         return outputs
 
-    def _verify(self, logits: mx.array, at: dict[Seq, int]) -> list[tuple[Seq, Verified]]:
-        """Accept or reject each sequence's drafts (harness/engine/speculative.py)."""
-        table = np.array(logits.astype(mx.float32))
+    def _verify(self, forward: Forward, at: dict[Seq, int]) -> list[tuple[Seq, Verified]]:
+        """Accept or reject each sequence's drafts (harness/engine/speculative.py): against
+        the target's logits, or the tokens a runner without a model chose."""
+        chosen = forward.tokens
+        table = np.array(forward.logits.astype(mx.float32)) if chosen is None else None
         verified = []
         for seq, i in at.items():
             proposal = self._proposals.pop(seq)
             n = len(proposal.tokens)
-            got = verify(
-                table[i : i + n + 1],
-                proposal,
-                lambda j, s=seq, d=proposal.tokens: self._sample_row(s, d[:j]),
-                self.logprobs_mode,
-            )
+            if chosen is not None:
+                got = verify_tokens(chosen[i : i + n + 1], proposal)
+            else:
+                got = verify(
+                    table[i : i + n + 1],
+                    proposal,
+                    lambda j, s=seq, d=proposal.tokens: self._sample_row(s, d[:j]),
+                    self.logprobs_mode,
+                )
             counts = self._verifications
             counts.proposed += n
             counts.accepted += got.accepted

@@ -91,12 +91,14 @@ class Work:
 @dataclass
 class Forward:
     """A step's forward as a lazy graph: logits of the rows that asked for them
-    ([sum num_logits, vocab], in row order), nothing evaluated yet."""
+    ([sum num_logits, vocab], in row order), nothing evaluated yet. A runner without a
+    model (harness/engine/modelled.py) gives no logits but the ``tokens`` of those rows."""
 
     logits: mx.array | None
     build_time: float  # building index arrays (Python + numpy)
     graph_time: float  # building the model's lazy graph
     work: Work
+    tokens: np.ndarray | None = None
 
 
 class Runner(Protocol):
@@ -106,7 +108,10 @@ class Runner(Protocol):
     stands in by taking the same calls. The engine calls, per step: the block moves the plan
     asks for (``swap_out``, ``copy_blocks``, ``swap_in``), then ``forward`` over the rows,
     ``launch`` (start computing, return at once) and ``wait`` (block until done). Logits
-    come back in ``Forward.logits``, one row per logit each ``Row`` asks for."""
+    come back in ``Forward.logits``, one row per logit each ``Row`` asks for, or, from a
+    runner that ``computes_logits`` not, as ``Forward.tokens``."""
+
+    computes_logits: bool
 
     def forward(self, rows: Sequence[Row], carried: mx.array | None = None) -> Forward: ...
 
@@ -127,6 +132,8 @@ class ModelRunner:
     ``arena`` holds the full-attention layers; ``window`` the sliding-window layers' group,
     for a model that has some."""
 
+    computes_logits = True
+
     def __init__(self, loaded: LoadedModel, arena: KVArena, window: WindowGroup | None = None):
         self.loaded = loaded
         self.arena = arena
@@ -136,9 +143,7 @@ class ModelRunner:
         self._slots = {layer: (False, i) for i, layer in enumerate(full)}
         self._slots.update({layer: (True, i) for i, layer in enumerate(ring)})
         self.body, self.head = _split_head(loaded.model)
-        # One key read by one query, in units of one token through the weights: attention
-        # takes ~4 flops per hidden unit per key, the layers' matmuls ~24 per hidden unit^2.
-        self.key_cost = 1.0 / (KEYS_PER_TOKEN_COST * loaded.model.args.hidden_size)
+        self.key_cost = key_cost(loaded)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Apply (src, dst) block copies (relocation, copy-on-write, forks)."""
@@ -253,6 +258,12 @@ class ModelRunner:
 
 KEYS_PER_TOKEN_COST = 4  # keys per query that cost as much as the query's token: x hidden
 GROUP_COST = 16  # a group's own cost (a pass over the weights, graph building), in tokens
+
+
+def key_cost(loaded: LoadedModel) -> float:
+    """One key read by one query, in units of one token through the weights: attention
+    takes ~4 flops per hidden unit per key, the layers' matmuls ~24 per hidden unit^2."""
+    return 1.0 / (KEYS_PER_TOKEN_COST * loaded.model.args.hidden_size)
 
 
 def group_rows(rows: Sequence[Row], key_cost: float) -> list[list[int]]:

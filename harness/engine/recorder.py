@@ -22,6 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from harness.engine.model_runner import Work
+from harness.engine.modelled import draft_fed
 from harness.engine.request import Sequence
 from harness.engine.speculative import Verifications
 from schedulers.output import KVStats, SchedulerOutput
@@ -40,8 +41,12 @@ class _Holding:
 class Recorder:
     """Collects per-step and per-request rows (a no-op when disabled, e.g. in benchmarks)."""
 
-    def __init__(self, *, enabled: bool = True):
+    def __init__(self, *, enabled: bool = True, measured: bool = True):
+        """``measured``: the step timings and MLX memory are real; a model clock's replay
+        records them as 0 (its durations are priced, and nothing runs on MLX), so its
+        tables are the same on any machine."""
         self.enabled = enabled
+        self.measured = measured
         self.requests: list[dict] = []
         self._rows: list[dict] = []
         self._live: dict[tuple[Sequence, int], _Holding] = {}  # by (sequence, preemptions)
@@ -139,7 +144,7 @@ class Recorder:
             external_fragmentation=unusable / blocks.free_blocks if blocks.free_blocks else 0.0,
             draft_blocks_used=stats.draft_blocks_used,
             window_blocks_used=stats.window_blocks_used,
-            mlx_active_bytes=mx.get_active_memory(),
+            mlx_active_bytes=mx.get_active_memory() if self.measured else 0,
         )
         # Allocations live at the previous step and not now have ended: settle them.
         ended = [k for k, h in self._live.items() if h.entries[-1][0] is not row]
@@ -165,6 +170,8 @@ class Recorder:
             return
         spec = verifications or Verifications()
         work = work or Work()
+        if not self.measured:
+            forward_time = build_time = swap_time = 0.0
         row.update(
             step=len(self._rows),
             start_time=start,
@@ -182,7 +189,13 @@ class Recorder:
             query_tokens_padded=work.query_tokens_padded,
             kv_slots_read=work.kv_slots_read,
             kv_slots_attended=work.kv_slots_attended,
-            mlx_peak_bytes=mx.get_peak_memory(),
+            attention_pairs=work.attention_pairs,
+            logit_rows=work.logit_rows,
+            single_token_rows=work.single_token_rows,
+            draft_block_copies=len(plan.draft_copies),
+            draft_rounds=max((s.num_draft_tokens for s in plan.scheduled), default=0),
+            draft_tokens=sum(draft_fed(s) for s in plan.scheduled if s.num_draft_tokens),
+            mlx_peak_bytes=mx.get_peak_memory() if self.measured else 0,
             spec_proposed=spec.proposed,
             spec_accepted=spec.accepted,
             spec_rejected=spec.rejected,

@@ -189,6 +189,19 @@ def verify(
     return Verified(tokens, accepted, logprobs if rows(0).params.logprobs is not None else None)
 
 
+def verify_tokens(targets: Sequence[int], proposal: Proposal) -> Verified:
+    """Greedy acceptance against the target's chosen tokens [len(drafts) + 1] rather than
+    its logits (a runner without a model, harness/engine/modelled.py): drafts are accepted
+    while they equal the target's token, then the target's token at the first difference
+    (or the bonus token) is emitted."""
+    tokens = []
+    for j, token in enumerate(targets):
+        tokens.append(int(token))
+        if j == len(proposal.tokens) or token != proposal.tokens[j]:
+            break
+    return Verified(tokens, len(tokens) - 1)
+
+
 def accept_or_resample(
     p: np.ndarray, q: np.ndarray | None, draft: int | None, rng: np.random.Generator
 ) -> int:

@@ -10,6 +10,7 @@ import pytest
 
 from harness.analysis.metrics import (
     CLOCKS,
+    MODELLED_CLOCKS,
     REQUEST_COLUMNS,
     STEP_COLUMNS,
     SUMMARY_KEYS,
@@ -23,6 +24,7 @@ from harness.analysis.metrics import (
     summarize,
 )
 from harness.engine.clock import CLOCKS as ENGINE_CLOCKS
+from harness.engine.modelled import ModelClock
 
 NAN = math.nan
 
@@ -413,4 +415,5 @@ def test_completed_requests_counts_requests_not_their_completions():
 
 
 def test_the_clock_names_are_the_engines() -> None:
-    assert set(CLOCKS) == set(ENGINE_CLOCKS)
+    assert set(CLOCKS) == {*ENGINE_CLOCKS, ModelClock.name}
+    assert set(MODELLED_CLOCKS) == {ModelClock.name}

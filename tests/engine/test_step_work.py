@@ -67,3 +67,14 @@ def test_a_relocated_region_counts_its_written_blocks_as_copies(model):
     steps = run(model, partial(ContiguousAllocator, reserve="exact"), [4, 3], [2, 2])
     assert [s["block_copies"] for s in steps] == [0, 1]
     assert steps[1]["swap_out_blocks"] == steps[1]["preempted"] == 0
+
+
+def test_the_cost_model_counts_of_two_rows_sharing_a_group(model):
+    """The 3- and 7-token rows above, one group: the prefill scores 2 rows x 7 queries x
+    8 keys read (2 blocks of 4) = 112 query-key pairs and runs the LM head on 2 positions
+    (each row's last); no row feeds one token. The decode: 2 x 1 x 8 = 16 pairs, 2 logits,
+    both rows single-token."""
+    steps = run(model, FreeListAllocator, [3, 7], [2, 2])
+    counts = [(s["attention_pairs"], s["logit_rows"], s["single_token_rows"]) for s in steps]
+    assert counts == [(112, 2, 0), (16, 2, 2)]
+    assert [s["draft_rounds"] + s["draft_tokens"] for s in steps] == [0, 0]

@@ -1,0 +1,147 @@
+"""The engine without a model (``engine.clock=model``): a step priced by a cost profile.
+
+The same LLMEngine, allocators, schedulers, recorder and metrics run; only what computes a
+step changes. ``ModelledRunner`` stands in for the model behind the ``Runner`` seam: it
+counts the step's work (``Work.of``, the same counts the real runner reports) and chooses
+the tokens, and ``ModelClock`` advances by the profile's price of that work
+(harness/costmodel). Nothing is timed, so a replay gives the same tables on any machine,
+under any load.
+
+Tokens: each logits row gets a token drawn from a seeded generator (requests run with
+``ignore_eos``, so each emits exactly its ``max_tokens``). A verification row (the last
+token plus ``k`` drafts) accepts each draft with probability ``acceptance`` (Bernoulli),
+up to the first rejection, whose position gets a different token; all accepted gives a
+bonus token, as Leviathan et al.'s rule does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from harness.costmodel.features import StepFeatures
+from harness.costmodel.profile import Profile
+from harness.engine.clock import VirtualClock
+from harness.engine.model_runner import Forward, Row, Work, group_rows
+from harness.engine.speculative import Proposal, RowFor
+from schedulers.output import Scheduled, SchedulerOutput
+
+
+def step_features(plan: SchedulerOutput, work: Work) -> StepFeatures:
+    """The step's work as the cost model prices it: the forward's ``work`` and the plan's
+    block moves and draft work."""
+    drafts = [s for s in plan.scheduled if s.num_draft_tokens]
+    return StepFeatures(
+        rows=len(plan.scheduled) if work.groups else 0,
+        groups=work.groups,
+        query_tokens=work.query_tokens_padded,
+        attention=work.attention_pairs,
+        kv_read=work.kv_slots_read,
+        logits=work.logit_rows,
+        block_copies=len(plan.copies) + len(plan.draft_copies),
+        swap_blocks=sum(len(s.blocks) for s in (*plan.swapped_out, *plan.swapped_in)),
+        draft_rounds=max((s.num_draft_tokens for s in drafts), default=0),
+        draft_tokens=sum(draft_fed(s) for s in drafts),
+        single_token_rows=work.single_token_rows,
+    )
+
+
+def draft_fed(s: Scheduled) -> int:
+    """Tokens the draft model feeds for one verification: it catches up from ``draft_start``
+    to the sequence's end, then feeds its own proposals but the last."""
+    return s.seq.num_tokens - s.draft_start + s.num_draft_tokens - 1
+
+
+class ModelClock(VirtualClock):
+    """A virtual clock that advances by the profile's price of each step's work, never by a
+    measurement: ``charge`` the step's features, then ``advance``."""
+
+    name = "model"
+    measures = False
+
+    def __init__(self, profile: Profile, start: float = 0.0) -> None:
+        super().__init__(start)
+        self.profile = profile
+        self._step = 0.0
+
+    def charge(self, work: StepFeatures) -> None:
+        self._step = self.profile.predict(work)
+
+    def after(self, elapsed: float) -> float:
+        return self._now + self._step
+
+    def advance(self, duration: float) -> float:
+        step, self._step = self._step, 0.0
+        self._now += step
+        return step
+
+
+class ModelledRunner:
+    """A ``Runner`` without a model: counts each forward's work and draws its tokens.
+
+    ``key_cost`` groups rows into padded batches as the real runner would for this model
+    (``ModelRunner.key_cost``), so the counts are the ones a real step would have."""
+
+    arena = None  # no KV arena: nothing is computed
+    computes_logits = False
+
+    def __init__(
+        self, *, block_size: int, key_cost: float, vocab_size: int, acceptance: float, seed: int
+    ) -> None:
+        self.block_size = block_size
+        self.key_cost = key_cost
+        self.vocab_size = vocab_size
+        self.acceptance = acceptance
+        self._rng = np.random.default_rng([seed, 0x5EED])
+
+    def forward(self, rows: Sequence[Row], carried=None) -> Forward:
+        work = Work.of(rows, group_rows(rows, self.key_cost), self.block_size)
+        return Forward(None, 0.0, 0.0, work, tokens=self._tokens(rows))
+
+    def _tokens(self, rows: Sequence[Row]) -> np.ndarray:
+        """One token per logits row, in row order; a verification's rows first take its
+        drafts while the Bernoulli draws accept them."""
+        drawn = self._rng.integers(0, self.vocab_size, sum(r.num_logits for r in rows))
+        at = 0
+        for r in rows:
+            k = r.num_logits - 1  # drafts under verification (none: 0, or -1 for a chunk)
+            if k > 0:
+                drafts = r.tokens[-k:]
+                accepted = self._rng.random(k) < self.acceptance
+                m = k if accepted.all() else int(np.argmin(accepted))
+                drawn[at : at + m] = drafts[:m]
+                if m < k and drawn[at + m] == drafts[m]:  # a rejection differs from its draft
+                    drawn[at + m] = (drafts[m] + 1) % self.vocab_size
+            at += r.num_logits
+        return drawn
+
+    def launch(self, outputs) -> None:
+        pass
+
+    def wait(self, outputs) -> None:
+        pass
+
+    def copy_blocks(self, copies) -> None:
+        pass
+
+    def swap_out(self, blocks: Sequence[int]) -> None:
+        return None
+
+    def swap_in(self, host, blocks: Sequence[int], first: int = 0) -> None:
+        pass
+
+
+class ModelledProposer:
+    """The draft model's stand-in: proposes seeded tokens (which the runner accepts with
+    the set probability); the draft's work is priced by the step's features."""
+
+    def __init__(self, runner: ModelledRunner, seed: int) -> None:
+        self.runner = runner  # the draft's copies go nowhere, as the target's
+        self._rng = np.random.default_rng([seed, 0xD2AF])
+
+    def propose(self, work: Sequence[Scheduled], row_for: RowFor) -> list[Proposal]:
+        vocab = self.runner.vocab_size
+        return [
+            Proposal(tokens=self._rng.integers(0, vocab, s.num_draft_tokens).tolist()) for s in work
+        ]

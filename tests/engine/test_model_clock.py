@@ -1,0 +1,195 @@
+"""The model clock (``engine.clock=model``): the engine's own schedule, priced by a profile.
+
+Token times are computed by hand from a toy profile; a replay's tables are the same bytes
+with two busy processes beside it; speculative acceptance follows the set probability."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from functools import partial
+
+import pytest
+
+from allocators.free_list import FreeListAllocator
+from harness.cli.run import UsageError
+from harness.cli.run import run as run_experiment
+from harness.costmodel.features import FEATURES
+from harness.costmodel.profile import FORMAT, VERSION, fingerprint, save
+from harness.engine import build_engine
+from harness.engine.intake import RequestError
+from harness.engine.sampling import SamplingParams
+from harness.engine.speculative import Speculation
+from schedulers.fcfs import FCFSScheduler
+
+DECODE, PREFILL_PER_TOKEN = 0.010, 0.025  # seconds: a decode step, a prompt token
+
+
+def toy_profile(model, tmp_path, **extra) -> str:
+    """Decode steps cost 10 ms whatever their batch; prefill steps 25 ms per query token;
+    mixed steps both; verifications 10 ms + 1 ms per draft token fed."""
+    shape = model.shape()
+    data = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "measured",
+        "model": shape | {"fingerprint": fingerprint(shape)},
+        "block_size": 16,
+        "features": list(FEATURES),
+        "kinds": {
+            "decode": {"coefficients": {"step": DECODE}},
+            "prefill": {"coefficients": {"query_tokens": PREFILL_PER_TOKEN}},
+            "mixed": {"coefficients": {"step": DECODE, "query_tokens": PREFILL_PER_TOKEN}},
+            "verify": {"coefficients": {"step": DECODE, "draft_tokens": 0.001}},
+        },
+        "moves": {"block_copies": 0.0, "swap_blocks": 0.0},
+        **extra,
+    }
+    path = tmp_path / "profile.json"
+    save(data, path)
+    return str(path)
+
+
+def modelled(model, profile, **kwargs):
+    return build_engine(
+        model,
+        FreeListAllocator,
+        partial(FCFSScheduler, max_num_seqs=8),
+        num_blocks=64,
+        clock="model",
+        profile=profile,
+        **kwargs,
+    )
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def test_token_times_are_the_profiles_prices_of_the_steps(model, tmp_path):
+    """A 4-token prompt's prefill costs 4 x 25 = 100 ms: its first token at 0.100 s. Then
+    decode steps of 10 ms each: tokens at 0.110 and 0.120 s; the request finishes at 0.120."""
+    engine = modelled(model, toy_profile(model, tmp_path))
+    engine.add_request("a", [1, 2, 3, 4], greedy(3), arrival_time=0.0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    (row,) = engine.recorder.requests
+    assert row["token_times"] == pytest.approx([0.100, 0.110, 0.120])
+    assert row["output_tokens"] == 3
+    steps = engine.recorder.steps
+    assert [s["duration"] for s in steps] == pytest.approx([0.100, 0.010, 0.010])
+    assert {s["forward_time"] for s in steps} == {0.0}  # nothing is measured
+    assert {s["mlx_peak_bytes"] for s in steps} == {0}
+
+
+def test_a_prefill_beside_a_decode_is_a_mixed_step(model, tmp_path):
+    """a (2 tokens) prefills alone: 50 ms. b (3 tokens) arrives then and prefills beside a's
+    decode: 10 + 3 x 25... padded with a's row to 2 rows x 3 query tokens = 6: 10 + 150 =
+    160 ms. So a's tokens are at 0.050 and 0.210, b's first at 0.210."""
+    engine = modelled(model, toy_profile(model, tmp_path))
+    engine.add_request("a", [1, 2], greedy(2), arrival_time=0.0)
+    engine.step()
+    engine.add_request("b", [1, 2, 3], greedy(1), arrival_time=0.05)
+    while engine.has_unfinished_requests():
+        engine.step()
+    times = {r["request_id"]: r["token_times"] for r in engine.recorder.requests}
+    kinds = [(s["batch_size"], s["query_tokens_padded"]) for s in engine.recorder.steps]
+    if kinds[1] == (2, 4):  # grouped apart: a's 1 + b's 3 query tokens, no padding
+        assert times["a"] == pytest.approx([0.050, 0.050 + 0.010 + 4 * 0.025])
+    else:
+        assert kinds[1] == (2, 6)
+        assert times["a"] == pytest.approx([0.050, 0.210])
+    assert times["b"][0] == times["a"][1]
+
+
+@pytest.mark.parametrize("acceptance", [1.0, 0.0])
+def test_speculative_acceptance_follows_the_set_probability(model, tmp_path, acceptance):
+    """Four drafts per verification, all accepted (each verification then emits 4 drafts
+    and a bonus token: 20 tokens after the prompt's first in 4 verifications) or none
+    accepted (each emits the target's one token)."""
+    engine = modelled(
+        model,
+        toy_profile(model, tmp_path),
+        speculative=Speculation(num_draft_tokens=4),
+        acceptance=acceptance,
+    )
+    engine.add_request("a", [1, 2, 3], greedy(21), arrival_time=0.0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    (row,) = engine.recorder.requests
+    assert row["output_tokens"] == 21 and row["spec_proposed"] > 0
+    assert row["spec_accepted"] == acceptance * row["spec_proposed"]
+    if acceptance == 1.0:
+        assert sum(s["spec_verifications"] for s in engine.recorder.steps) == 4
+
+
+def test_a_half_acceptance_rate_accepts_about_half_the_drafts(model, tmp_path):
+    """1 draft per verification accepted with probability 0.5: over 300+ drafts the rate is
+    within 3.5 standard deviations (3.5 x 0.029) of 0.5."""
+    engine = modelled(
+        model,
+        toy_profile(model, tmp_path),
+        speculative=Speculation(num_draft_tokens=1),
+        acceptance=0.5,
+    )
+    for i in range(4):
+        engine.add_request(str(i), [1, 2, 3], greedy(150))
+    while engine.has_unfinished_requests():
+        engine.step()
+    proposed = sum(r["spec_proposed"] for r in engine.recorder.requests)
+    accepted = sum(r["spec_accepted"] for r in engine.recorder.requests)
+    assert proposed >= 300
+    assert abs(accepted / proposed - 0.5) < 0.1
+
+
+def test_what_needs_logits_is_refused_in_one_line(model, tmp_path):
+    engine = modelled(model, toy_profile(model, tmp_path))
+    with pytest.raises(RequestError, match="logprobs needs a model's logits"):
+        engine.add_request("a", [1, 2], SamplingParams(logprobs=2))
+
+
+def test_a_profile_of_another_model_is_refused(model, tmp_path):
+    from harness.platform.models import random_model
+
+    other = random_model("llama", "small")
+    with pytest.raises(ValueError, match="prices model 'llama-tiny.*calibrate this model"):
+        modelled(other, toy_profile(model, tmp_path))
+
+
+def test_the_model_clock_needs_a_profile_and_speculation_an_acceptance(model, tmp_path):
+    with pytest.raises(ValueError, match="needs engine.profile=PATH"):
+        modelled(model, None)
+    with pytest.raises(ValueError, match="set engine.acceptance"):
+        modelled(model, toy_profile(model, tmp_path), speculative=Speculation())
+    with pytest.raises(ValueError, match="the model clock's: set engine.clock=model"):
+        build_engine(model, FreeListAllocator, FCFSScheduler, num_blocks=8, profile="p.json")
+
+
+BUSY = [sys.executable, "-c", "while True: pass"]
+
+
+@pytest.mark.slow
+def test_a_replay_writes_the_same_bytes_under_load(compose_cfg, model, tmp_path):
+    """The same config and seed, quiet and with two busy processes beside it: identical
+    requests.parquet and steps.parquet, byte for byte."""
+    profile = toy_profile(model, tmp_path)
+    cfg = compose_cfg(
+        ["engine.clock=model", f"engine.profile={profile}", "trace=poisson",
+         "trace.num_requests=40", "scheduler=chunked_prefill", "scheduler.max_chunk=32"]
+    )  # fmt: skip
+    run_experiment(cfg, tmp_path / "quiet")
+    busy = [subprocess.Popen(BUSY) for _ in range(2)]
+    try:
+        run_experiment(cfg, tmp_path / "loaded")
+    finally:
+        for p in busy:
+            p.kill()
+    for name in ("requests.parquet", "steps.parquet"):
+        quiet, loaded = (tmp_path / d / name for d in ("quiet", "loaded"))
+        assert quiet.read_bytes() == loaded.read_bytes(), name
+
+
+def test_a_profile_that_does_not_exist_is_one_usage_line(compose_cfg, tmp_path):
+    cfg = compose_cfg(["engine.clock=model", f"engine.profile={tmp_path / 'none.json'}"])
+    with pytest.raises(UsageError, match="none.json'?: no such file"):
+        run_experiment(cfg, tmp_path / "out")

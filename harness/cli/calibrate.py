@@ -125,17 +125,21 @@ def calibrate(cfg: DictConfig, out: Path) -> dict[str, Any]:
 
     machine.set_mlx_cache_limit(cfg.mlx_cache_limit)
     max_len = build().scheduler.max_model_len
-    cells = [(c, scheduler) for c in grid.decode_cells(model.vocab_size, max_len)]
+    decode = grid.decode_cells(model.vocab_size, max_len)
+    cells = [(c, scheduler, None) for c in decode]
+    if speculative is not None:  # verification steps too, over the same cells
+        cells += [(c, scheduler, speculative) for c in decode]
     for chunk in grid.chunks:
         with open_dict(chunked):
             chunked.max_chunk = chunk
             chunked.max_num_batched_tokens = max(chunk, 64)
-        cells.append((grid.mixed_cell(model.vocab_size, max_len), _build(chunked)))
+        cells.append((grid.mixed_cell(model.vocab_size, max_len), _build(chunked), None))
     rows = []
     _run_cell(build, *cells[0])  # warm-up: first-time costs are not a step's
-    for trace, policy in cells:
-        print(f"  cell {trace.metadata['cell']}: {len(trace)} requests", file=sys.stderr)
-        rows += [r | {"cell": trace.metadata["cell"]} for r in _run_cell(build, trace, policy)]
+    for trace, policy, spec in cells:
+        cell = trace.metadata["cell"] + ("-spec" if spec else "")
+        print(f"  cell {cell}: {len(trace)} requests", file=sys.stderr)
+        rows += [r | {"cell": cell} for r in _run_cell(build, trace, policy, spec)]
     engine = build(spec=None)
     moves = time_moves(engine, grid)
     steps = steps_frame([{k: v for k, v in r.items() if k != "cell"} for r in rows])
@@ -156,8 +160,8 @@ def calibrate(cfg: DictConfig, out: Path) -> dict[str, Any]:
         "calibration": {
             "cells": len(cells),
             "steps": len(steps),
-            "allocator": HydraConfig.get().runtime.choices.get("allocator"),
-            "scheduler": HydraConfig.get().runtime.choices.get("scheduler"),
+            "allocator": cfg.allocator._target_,
+            "scheduler": cfg.scheduler._target_,
         },
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -167,8 +171,8 @@ def calibrate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     return data
 
 
-def _run_cell(build, trace: Trace, policy) -> list[dict]:
-    engine = build(policy)
+def _run_cell(build, trace: Trace, policy, spec) -> list[dict]:
+    engine = build(policy, spec)
     replay(engine, trace, progress=False)
     return engine.recorder.steps
 

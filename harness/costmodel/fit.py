@@ -3,7 +3,8 @@ function of the step's counts (harness/costmodel/features.py).
 
 Each kind's coefficients minimise the squared *relative* error (rows weighted by one over
 the measured duration), so short decode steps weigh as much as long prefills, under
-non-negativity (Lawson and Hanson's NNLS): no count makes a step cheaper. Block moves are
+non-negativity (Lawson and Hanson's NNLS): no count makes a step cheaper; steps far off the
+first fit (another process slowed them) are dropped and the fit made again. Block moves are
 measured and priced apart (``moves``) and taken off each step's duration before the fit.
 The residuals reported per kind are those of the fitted steps themselves.
 """
@@ -18,6 +19,7 @@ from harness.costmodel.features import FEATURES, KINDS, StepFeatures
 from harness.costmodel.profile import INTERCEPT, MOVES
 
 MIN_STEPS = 8  # fewer steps of a kind than this fit nothing
+OUTLIER_MADS = 4.0  # refit without steps this many deviations off the first fit
 
 
 def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 200) -> np.ndarray:
@@ -61,10 +63,7 @@ def fit_kinds(
         x = np.array([(1, *w.vector()) for w, _ in rows], dtype=float)
         moved = np.array([_moves(w, moves) for w, _ in rows])
         y = np.array([s for _, s in rows]) - moved
-        scale = np.abs(x).max(axis=0)
-        scale[scale == 0] = 1.0
-        weight = 1.0 / np.maximum(y + moved, 1e-9)
-        coef = nnls(x / scale * weight[:, None], y * weight) / scale
+        coef = _robust_fit(x, y, y + moved)
         names = (INTERCEPT, *FEATURES)
         predicted = x @ coef + moved
         fitted[kind] = {
@@ -72,6 +71,22 @@ def fit_kinds(
             "residuals": residuals(predicted, y + moved),
         }
     return fitted
+
+
+def _robust_fit(x: np.ndarray, y: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    """NNLS on relative error, then again without the steps whose relative residual is
+    beyond ``OUTLIER_MADS`` median absolute deviations: a step slowed by another process
+    (a shared machine) is not the step's cost."""
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    weight = 1.0 / np.maximum(measured, 1e-9)
+    coef = nnls(x / scale * weight[:, None], y * weight) / scale
+    rel = (x @ coef - y) * weight
+    mad = np.median(np.abs(rel - np.median(rel)))
+    kept = np.abs(rel - np.median(rel)) <= OUTLIER_MADS * max(mad, 1e-6)
+    if kept.sum() >= MIN_STEPS and not kept.all():
+        coef = nnls(x[kept] / scale * weight[kept, None], y[kept] * weight[kept]) / scale
+    return coef
 
 
 def _moves(work: StepFeatures, moves: Mapping[str, float]) -> float:

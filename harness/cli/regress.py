@@ -23,6 +23,16 @@ may add a few), so padding or host work coming back fails on any machine:
                                parts, in query positions (prefill) and KV slots read (decode)
     sweep.prefix_hit_rate      the radix sweep run's prefix hit rate (a count too: exact)
 
+The ``policy`` figures are the policies' own latencies and throughput on the model clock
+(engine.clock=model) priced by a profile committed beside the baselines (``POLICY_PROFILE``,
+the tiny model, calibrated once here): no step is timed, so they are the same to the last
+digit on any machine under any load, and a change to what a scheduler or allocator decides
+moves them. They gate near-exactly (``PRICED``: float summation order aside):
+
+    policy.<p>.ttft_p50, .tpot_p50, .throughput (total tokens/s), .preemptions, .hit_rate
+        <p>: POLICY_RUNS (free list and radix on a shared-prefix Poisson trace, chunked
+        prefill and preemption by swap on ShareGPT-like lengths in a small arena)
+
 The timed figures below are ratios of things timed side by side in this process (interleaved
 ``--rounds`` times), printed beside their baseline and never failing the run: under load they
 move further than any regression they could catch (two suites at once: engine.uniform 31 %
@@ -99,6 +109,23 @@ SWEEP = (
     "progress=false",
 )
 SWEEP_POLICIES = ("allocator=free_list", "allocator=radix")
+POLICY_PROFILE = BASELINES / "profile-llama-tiny.json"
+_SHARED = ("trace=shared_prefix", "trace.users_per_prompt=12", "trace.rate=8")
+_SHAREGPT = ("trace=sharegpt", "trace.num_requests=48", "engine.num_blocks=96")
+POLICY_RUNS: dict[str, tuple[str, ...]] = {
+    "free_list": (*_SHARED, "allocator=free_list"),
+    "radix": (*_SHARED, "allocator=radix"),
+    "chunked": (*_SHAREGPT, "trace.rate=4", "scheduler=chunked_prefill",
+                "scheduler.max_chunk=128", "scheduler.max_num_batched_tokens=160"),
+    "swap": (*_SHAREGPT, "trace.rate=inf", "scheduler.preemption_mode=swap"),
+}  # fmt: skip
+POLICY_FIGURES = {  # summary key -> (figure, better)
+    "ttft_p50": ("ttft_p50", "lower"),
+    "tpot_p50": ("tpot_p50", "lower"),
+    "total_token_throughput": ("throughput", "higher"),
+    "preemptions": ("preemptions", "lower"),
+    "prefix_hit_rate": ("hit_rate", "higher"),
+}
 ENGINE_WORKLOADS = ("uniform", "mixed")
 
 
@@ -136,6 +163,7 @@ class Figure:
 
 EXACT = 0.0  # a count: the same code on the same inputs does the same work
 CALLS = 0.01  # Python calls: exact for one interpreter and library versions; 1 % for others
+PRICED = 1e-9  # a model clock's figure: deterministic, up to float summation order
 
 _VARIANTS = [v.name for v in bench_allocators.variants(max_len=0)]
 FIGURES = {
@@ -163,6 +191,11 @@ FIGURES = {
         Figure("sweep.ttft_p50", "sweep", "lower"),
         Figure("sweep.throughput", "sweep", "higher"),
         Figure("sweep.prefix_hit_rate", "sweep", "higher", EXACT),
+        *(
+            Figure(f"policy.{run_name}.{name}", "policy", better, PRICED)
+            for run_name in POLICY_RUNS
+            for name, better in POLICY_FIGURES.values()
+        ),
     )
 }
 GROUPS = tuple(dict.fromkeys(f.group for f in FIGURES.values()))
@@ -346,6 +379,21 @@ def sweep_figures(out: Path, rounds: int) -> dict[str, float]:
     }
 
 
+def policy_figures(out: Path) -> dict[str, float]:
+    """Each of ``POLICY_RUNS`` once on the model clock priced by ``POLICY_PROFILE`` (runs
+    under ``out/<name>``): its summary's latencies, throughput, preemptions and hit rate."""
+    priced = ("engine.clock=model", f"engine.profile={POLICY_PROFILE}", "progress=false")
+    figures = {}
+    for name, overrides in POLICY_RUNS.items():
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name=PROG):
+            cfg = compose(config_name="config", overrides=[*overrides, *priced])
+        summary = run(cfg, out / name, overrides=list(overrides))
+        figures |= {
+            f"policy.{name}.{figure}": summary[key] for key, (figure, _) in POLICY_FIGURES.items()
+        }
+    return figures
+
+
 def measure(groups: tuple[str, ...], out: Path, rounds: int = ROUNDS) -> dict[str, float]:
     """The figures of ``groups``, in ``FIGURES`` order; the sweep's runs go under ``out``."""
     tiny = {"work", "engine", "padding"} & set(groups)
@@ -356,6 +404,7 @@ def measure(groups: tuple[str, ...], out: Path, rounds: int = ROUNDS) -> dict[st
         "allocators": lambda: allocator_figures(rounds),
         "padding": lambda: padding_figures(loaded, rounds),
         "sweep": lambda: sweep_figures(out / "sweep", rounds),
+        "policy": lambda: policy_figures(out / "policy"),
     }
     figures: dict[str, float] = {}
     for group in groups:

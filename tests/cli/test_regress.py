@@ -5,6 +5,8 @@ host work per step or padded batches fail, named. No test here reads a timing.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,10 +46,11 @@ def test_better_than_the_baseline_never_regresses():
             assert figure.improved(better, 1.0), figure.name
 
 
-def test_every_gating_figure_is_a_count_or_a_call_count():
-    """Timed figures move with load (two suites at once halve a ratio), so none gates."""
+def test_every_gating_figure_is_a_count_a_call_count_or_priced():
+    """Timed figures move with load (two suites at once halve a ratio), so none gates; the
+    policy figures are priced by a profile, not timed."""
     gating = {f.name for f in regress.FIGURES.values() if f.gates}
-    assert gating == {n for n in regress.FIGURES if n.startswith("work.")} | {
+    assert gating == {n for n in regress.FIGURES if n.startswith(("work.", "policy."))} | {
         "sweep.prefix_hit_rate"
     }
 
@@ -185,3 +188,21 @@ def test_padded_batches_fail_naming_the_padding_counts(baseline, tmp_path, capsy
     err = capsys.readouterr().err
     for name in ("work.padding.prefill", "work.padding.decode", "work.mixed.query_padding"):
         assert f"regressed: {name} = " in err, err
+
+
+@pytest.mark.slow
+def test_the_policy_figures_repeat_exactly_with_two_busy_processes_beside_them(tmp_path):
+    """Priced by the committed profile, the policies' latencies, throughput, preemptions and
+    hit rates are the same quiet and under load, and the committed baseline's (this
+    machine's; they are the same on any platform, so linux-x86_64's serves every one)."""
+    quiet = regress.policy_figures(tmp_path / "quiet")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        loaded = regress.policy_figures(tmp_path / "loaded")
+    finally:
+        for p in busy:
+            p.kill()
+    assert loaded == quiet
+    committed = json.loads((regress.BASELINES / "linux-x86_64.json").read_text())
+    for name, value in quiet.items():
+        assert value == pytest.approx(committed["figures"][name], rel=regress.PRICED), name

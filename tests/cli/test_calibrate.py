@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from hydra import compose, initialize_config_dir
 
-from conftest import ROOT
 from harness.cli.calibrate import PROFILE_FILE, STEPS_FILE, calibrate, format_residuals
 from harness.cli.run import CONFIG_DIR, run
 from harness.costmodel.profile import fingerprint, load

@@ -54,6 +54,16 @@ DEVICES_FILE = Path(__file__).with_name("devices.yaml")
 RESOURCES = ("compute", "memory", "host_link")  # FLOPs, bytes, bytes over the host link
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 PEAK_KEY = {4: "fp32", 2: "fp16"}  # devices.yaml's peak_flops key by value width
+# a shape's sizes, in the order _sizes returns them
+SIZE_KEYS = (
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+)
 # Counts an operator may be priced by: the step's features, and the padded batches that
 # run the LM head (a batch of prefill chunks that want no logits skips it).
 COUNTS = (*FEATURES, "logit_groups")
@@ -143,17 +153,17 @@ def _width(shape: dict[str, Any]) -> int:
     if shape["dtype"] not in DTYPE_BYTES:
         raise ValueError(
             f"model dtype {shape['dtype']!r}: a roofline prices {', '.join(DTYPE_BYTES)}; "
-            "pass dtype_bytes for another"
+            "pass dtype_bytes=2 or 4 to price it at one of their widths"
         )
     return DTYPE_BYTES[shape["dtype"]]
 
 
 def _sizes(shape: dict[str, Any]) -> tuple[int, ...]:
-    keys = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
-    missing = [k for k in (*keys, "intermediate_size", "vocab_size") if shape.get(k) is None]
+    """h, layers, heads, KV heads, head_dim, MLP width, vocabulary."""
+    missing = [k for k in SIZE_KEYS if shape.get(k) is None]
     if missing:
         raise ValueError(f"model shape has no {missing}: pass LoadedModel.shape() or shape_of")
-    return tuple(shape[k] for k in (*keys, "intermediate_size", "vocab_size"))
+    return tuple(shape[k] for k in SIZE_KEYS)
 
 
 def _weights(shape: dict[str, Any]) -> int:

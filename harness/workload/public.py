@@ -6,12 +6,13 @@
     burstgpt   BurstGPT (github.com/HPMLL/BurstGPT): CSV ``Timestamp,Model,Request tokens,
                Response tokens,Total tokens,Log Type``; Timestamp in seconds; filtered by
                ``model`` (``ChatGPT``, ``GPT-4``) and ``log_type`` (``Conversation log``,
-               ``API log``); rows with 0 response tokens (failed requests) are dropped and
-               counted
+               ``API log``)
     mooncake   Mooncake's FAST'25 traces (github.com/kvcache-ai/Mooncake): JSONL
                ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``, one hash id
                per ``hash_block`` (512) prompt tokens, the last block partial
 
+Records with 0 prompt or 0 output tokens (BurstGPT's failed requests) are skipped and
+counted (``skipped_empty`` in the trace's metadata): replaying them would invent a decode.
 The first two carry lengths only: prompts are seeded random tokens, so nothing is shared.
 Mooncake's hash ids say which prompt blocks are equal: block ``h`` becomes ``hash_block``
 tokens hashed from ``(seed, h)`` (``block_tokens``), so equal ids give equal tokens and
@@ -104,15 +105,20 @@ def azure(
     """An Azure LLM inference trace (2023 or 2024) as a kvbench trace."""
     window = Window(start, duration, time_scale, max_requests)
     rows = _csv_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
-    records, first = [], None
+    records, first, empty = [], None, 0
     for where, row in rows:
         t = _timestamp(row["TIMESTAMP"], where)
         first = t if first is None else first
-        prompt = _count(row, "ContextTokens", where, low=1)
-        output = _count(row, "GeneratedTokens", where, low=1)
+        prompt = _count(row, "ContextTokens", where, low=0)
+        output = _count(row, "GeneratedTokens", where, low=0)
+        if not (prompt and output):  # nothing to prefill or nothing generated
+            empty += 1
+            continue
         records.append(_ordered(records, Record(t - first, prompt, output), where))
     params = {"path": str(path), "seed": seed, **_describe(window)}
-    return _random_trace("azure", window.apply(records), params, max_len, vocab_size, seed)
+    trace = _random_trace("azure", window.apply(records), params, max_len, vocab_size, seed)
+    trace.metadata["skipped_empty"] = empty
+    return trace
 
 
 def burstgpt(
@@ -141,9 +147,9 @@ def burstgpt(
             log_type is not None and row["Log Type"] != log_type
         ):
             continue
-        prompt = _count(row, "Request tokens", where, low=1)
+        prompt = _count(row, "Request tokens", where, low=0)
         output = _count(row, "Response tokens", where, low=0)
-        if output == 0:  # a failed request: nothing was generated
+        if not (prompt and output):  # a failed request: nothing was generated
             failed += 1
             continue
         records.append(_ordered(records, Record(t - first, prompt, output), where))
@@ -161,7 +167,7 @@ def burstgpt(
         **_describe(window),
     }
     trace = _random_trace("burstgpt", window.apply(records), params, max_len, vocab_size, seed)
-    trace.metadata["dropped_zero_output"] = failed
+    trace.metadata["skipped_empty"] = failed
     return trace
 
 

@@ -38,6 +38,11 @@ def mooncake_file(tmp_path, rows: list[dict]) -> str:
     return write(tmp_path, "mooncake.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
+def test_an_azure_record_with_nothing_generated_is_skipped_and_counted(tmp_path):
+    trace = azure(write(tmp_path, "a.csv", AZURE.replace(",109\n", ",0\n")), **SIZES)
+    assert len(trace) == 3 and trace.metadata["skipped_empty"] == 1
+
+
 def test_azure_arrivals_are_seconds_from_the_first_record_and_lengths_are_the_files(tmp_path):
     trace = azure(write(tmp_path, "a.csv", AZURE), **SIZES)
     assert [r.arrival_time for r in trace] == pytest.approx([0.0, 0.5, 3.0, 3.31941])
@@ -60,7 +65,7 @@ def test_burstgpt_filters_by_model_and_log_type_and_drops_failed_requests(tmp_pa
     path = write(tmp_path, "b.csv", BURST)
     every = burstgpt(path, **SIZES)
     assert [r.arrival_time for r in every] == [0.0, 113.0, 125.0]
-    assert every.metadata["dropped_zero_output"] == 1
+    assert every.metadata["skipped_empty"] == 1
     chat = burstgpt(path, model="ChatGPT", log_type="Conversation log", **SIZES)
     assert [(len(r.prompt_token_ids), r.max_tokens) for r in chat] == [(472, 18)]
     with pytest.raises(TraceError, match="trace.model='Claude' matches no row"):
@@ -119,14 +124,17 @@ def test_a_different_hash_block_size_is_read(tmp_path):
         ),
         (
             AZURE.replace(",396,", ",abc,"),
-            "line 3, column 'ContextTokens': 'abc' is not an integer >= 1",
+            "line 3, column 'ContextTokens': 'abc' is not an integer >= 0",
         ),
         (
             AZURE.replace("18:15:47.1805900", "yesterday"),
             "line 3, column 'TIMESTAMP': '2023-11-16 yesterday'",
         ),
         (AZURE.replace("18:15:49", "18:15:40"), "line 4: its time is earlier than the previous"),
-        (AZURE.replace(",44\n", ",-4\n"), "line 2, column 'GeneratedTokens': '-4'"),
+        (
+            AZURE.replace(",44\n", ",-4\n"),
+            "line 2, column 'GeneratedTokens': '-4' is not an integer >= 0",
+        ),
         (AZURE.replace(",44\n", ",44,9\n"), "line 2: 4 fields for the header's 3"),
     ],
 )

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.workload.traces import Trace, TraceError, TraceRequest
+from harness.workload.traces import Trace, TraceError, TraceRequest, max_prefix_hit_rate
 
 
 @dataclass(frozen=True)
@@ -299,6 +299,7 @@ def _finish(
         "vocab_size": vocab_size,
         "max_len": max_len,
         "clipped_requests": changed,
+        "max_prefix_hit_rate": max_prefix_hit_rate(requests),
     }
     return Trace(tuple(requests), metadata)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from allocators.base import BlockAllocator
 from allocators.free_list import FreeListAllocator
@@ -108,7 +109,15 @@ def test_max_model_len_defaults_to_and_stays_within_the_models_positions() -> No
         build_engine(short, FreeListAllocator, FCFSScheduler, num_blocks=8, max_model_len=256)
 
 
-@pytest.mark.parametrize("name", [t for t in options("trace") if t != "file"])
+# Options that read a file the user names (trace.path=???): trace=file and the public traces.
+FROM_FILES = [
+    t
+    for t in options("trace")
+    if OmegaConf.is_missing(OmegaConf.load(CONF / "trace" / f"{t}.yaml"), "path")
+]
+
+
+@pytest.mark.parametrize("name", [t for t in options("trace") if t not in FROM_FILES])
 def test_trace_options_build(compose_cfg, name: str) -> None:
     cfg = compose_cfg([f"trace={name}"])
     validate(cfg)

@@ -356,7 +356,8 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             rows = mx.array([i for _, i in offering], dtype=mx.int32)
             candidates = np.array(logits[rows].astype(mx.float32))
         if forward.tokens is not None:
-            sampled = [Sampled(int(forward.tokens[i])) for i in picks]
+            chosen = forward.tokens.tolist()  # ints at once, not a numpy scalar per row
+            sampled = [Sampled(chosen[i]) for i in picks]
         else:
             # Rows of drafts or prompt logprobs beside the sampling ones, or forked
             # completions sampling from one row: one row of logits per token drawn.

@@ -314,13 +314,15 @@ class Scheduler(ABC):
         """Memory and queues as the plan leaves them (the recorder's one view of both)."""
         alloc = self.allocator
         running = tuple(
-            Holding(
-                seq,
-                alloc.num_tokens(seq.request_id),
-                alloc.held_slots(seq.request_id),
-                tuple(alloc.block_table(seq.request_id)),
-            )
-            for seq in self.running
+            [
+                Holding(
+                    seq,
+                    alloc.num_tokens(seq.request_id),
+                    alloc.held_slots(seq.request_id),
+                    tuple(alloc.block_table(seq.request_id)),
+                )
+                for seq in self.running
+            ]
         )
         head = self.next_incoming()
         unusable = 0

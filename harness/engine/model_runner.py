@@ -284,17 +284,18 @@ def group_rows(rows: Sequence[Row], key_cost: float) -> list[list[int]]:
     order = sorted(range(len(rows)), key=shapes.__getitem__)
     groups: list[list[int]] = []
     q = c = 0
+    here = 0.0  # the last group's cost
     for i in order:
         qi, ci = shapes[i]
         if groups:
             n = len(groups[-1])
             joined = cost(n + 1, max(q, qi), max(c, ci))
-            if joined <= cost(n, q, c) + cost(1, qi, ci):
+            if joined <= here + cost(1, qi, ci):
                 groups[-1].append(i)
-                q, c = max(q, qi), max(c, ci)
+                q, c, here = max(q, qi), max(c, ci), joined
                 continue
         groups.append([i])
-        q, c = qi, ci
+        q, c, here = qi, ci, cost(1, qi, ci)
     return groups
 
 

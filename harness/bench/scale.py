@@ -8,10 +8,11 @@ On the model clock (``engine.clock=model``, priced by the committed profile
 Python of the engine, scheduler, recorder and allocator, which this benchmark measures. Each
 cell (size x trace x allocator x scheduler) is one kvbench ``run`` (trace built, replayed,
 tables and summary written) in a subprocess of its own, so its peak RSS is its own. Per cell:
-wall seconds of ``run``, peak RSS, engine steps, request throughput on the model clock, and
-sequence-steps (a sequence's row in a step) per wall second of the replay; then, per
-configuration, the wall time of the largest size over the one before (linear: the sizes'
-ratio).
+wall seconds of ``run`` and the CPU seconds of its process (user + system: on a machine other
+work shares, the wall time includes waiting for a core), peak RSS, engine steps, request
+throughput on the model clock, and sequence-steps (a sequence's row in a step) per wall
+second of the replay; then, per configuration, the wall time of the largest size over the one
+before (linear: the sizes' ratio).
 
 The arena (``--num-blocks 4096`` of 16 slots) holds ``max_num_seqs`` (32) sequences of
 ``max_model_len`` (2048) even rounded up to a buddy allocator's powers of two, so requests
@@ -71,13 +72,17 @@ def run_cell(overrides: list[str], out: Path) -> dict:
     from harness.cli.run import run
 
     cfg = compose_config(overrides)
+    before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     summary = run(cfg, out)
     wall = time.perf_counter() - started
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime
+    rss = usage.ru_maxrss  # KiB on Linux, bytes on macOS
     steps = pq.read_table(out / STEPS_FILE, columns=["batch_size"]).column(0)
     return {
         "wall": wall,
+        "cpu": cpu,
         "replay": summary["wall_time"],
         "rss_mib": rss / (2**20 if sys.platform == "darwin" else 2**10),
         "steps": summary["num_steps"],
@@ -102,17 +107,18 @@ def measure(cell: dict, num_blocks: int, timeout: float, out: Path) -> dict:
 
 def format_cells(rows: list[dict]) -> str:
     """One line per cell."""
-    header = ["trace", "allocator", "scheduler", "requests", "wall s", "peak RSS MiB", "steps",
-              "req/s (model)", "seq-steps/s"]  # fmt: skip
+    header = ["trace", "allocator", "scheduler", "requests", "wall s", "CPU s", "peak RSS MiB",
+              "steps", "req/s (model)", "seq-steps/s"]  # fmt: skip
     lines = []
     for r in rows:
         got = r["got"]
         cells = [r["trace"], r["allocator"], r["scheduler"], f"{r['size']:,}"]
         if "error" in got:
-            cells += [got["error"], "", "", "", ""]
+            cells += [got["error"], "", "", "", "", ""]
         else:
             rate = got["seq_steps"] / got["replay"] if got["replay"] else float("nan")
-            cells += [f"{got['wall']:.1f}", f"{got['rss_mib']:.0f}", f"{got['steps']:,}",
+            cells += [f"{got['wall']:.1f}", f"{got['cpu']:.1f}", f"{got['rss_mib']:.0f}",
+                      f"{got['steps']:,}",
                       f"{got['throughput']:.2f}", f"{rate:,.0f}"]  # fmt: skip
         lines.append(cells)
     return format_table(header, lines)

@@ -142,17 +142,14 @@ class RadixAllocator(FreeListAllocator):
 
     # -- lookups and indexing ----------------------------------------------------------
 
-    def _key(self, token_ids: Sequence[int], i: int) -> tuple[int, ...]:
-        bs = self.block_size
-        return tuple(token_ids[i * bs : (i + 1) * bs])
-
     def _path(self, token_ids: Sequence[int]) -> list[_Node]:
         """The cached nodes spelling the longest prefix of ``token_ids`` that leaves at
         least the last token to compute (so the engine gets its logits)."""
-        limit = max(len(token_ids) - 1, 0) // self.block_size
+        bs = self.block_size
+        end = max(len(token_ids) - 1, 0) // bs * bs
         node, path = self._root, []
-        for i in range(limit):
-            key = self._key(token_ids, i)
+        for start in range(0, end, bs):
+            key = tuple(token_ids[start : start + bs])
             node = node.children.get(hash(key))
             if node is None or node.key != key:
                 break
@@ -210,27 +207,29 @@ class RadixAllocator(FreeListAllocator):
         node = nodes[table[i - 1]] if i else self._root
         self._clock = now = self._clock + 1
         bs = self.block_size
+        start = i * bs
         while i < full:
-            mine, key = nodes[table[i]], tuple(token_ids[i * bs : (i + 1) * bs])
+            mine, key = nodes[table[i]], tuple(token_ids[start : start + bs])
             hkey = hash(key)
             child = node.children.get(hkey)
-            if child is not mine and mine.parent is not None:
-                raise ValueError(
-                    f"commit: token_ids disagree with the tokens cached in block {mine.block}; "
-                    "commit the tokens that were written"
-                )
-            if child is None:
+            if child is None and mine.parent is None:  # the common case: index the block
                 mine.key, mine.hkey, mine.parent = key, hkey, node
                 mine.created, mine.hits = now, 0
                 node.children[hkey] = child = mine
             elif child is not mine:
+                if mine.parent is not None:
+                    raise ValueError(
+                        f"commit: token_ids disagree with the tokens cached in block "
+                        f"{mine.block}; commit the tokens that were written"
+                    )
                 # The same tokens (or, rarely, a hash twin) are cached in another block: this
                 # sequence keeps its own copy unindexed, which keeps the invariant above.
                 break
             child.last_access = now
             node = child
             i += 1
-        self._set_cursor(s, i)
+            start += bs
+        s.cursor, s.commit_at = i, start + bs  # ``_set_cursor``, inlined
 
     def _after_trim(self, s: RadixState, dropped: list[int], old: int) -> None:
         # Dropped indexed blocks stay cached; the kept ones stay a tree path.

@@ -1,8 +1,10 @@
 """Eviction-policy benchmark: the radix cache's policies against the offline optimum.
 
-``python -m harness.bench eviction [--seed 0] [--block-size 16] [--fractions 0.25,0.5,1]``
+``python -m harness.bench eviction [--seed 0] [--block-size 16] [--fractions 0.25,0.5,1]
+[--mooncake N [--only-mooncake]]``
 
-Two seeded traces from ``harness.workload.generators`` (shared system prompts; multi-turn chats) are
+Two seeded traces from ``harness.workload.generators`` (shared system prompts; multi-turn chats;
+with ``--mooncake N`` also ``trace=mooncake_like`` of N requests, the replay at scale) are
 replayed one request at a time, in arrival order, through ``RadixAllocator`` with each
 eviction policy, and through Belady's offline optimum under the same model
 (``allocators.offline``: outputs are fresh ids, so only prompts are reusable). Running one
@@ -40,6 +42,7 @@ from allocators.offline import (
     trace_requests,
 )
 from allocators.radix import RadixAllocator
+from harness.bench._components import build, compose_config
 from harness.workload.distributions import Poisson, Uniform
 from harness.workload.generators import multi_turn, shared_prefix
 from harness.workload.traces import Trace, max_prefix_hit_rate
@@ -73,6 +76,13 @@ def make_traces(seed: int) -> dict[str, Trace]:
             vocab_size=VOCAB,
         ),
     }
+
+
+def mooncake_trace(num_requests: int, seed: int) -> Trace:
+    """``trace=mooncake_like`` (conf/trace/mooncake_like.yaml) of ``num_requests``."""
+    cfg = compose_config(["trace=mooncake_like", f"trace.num_requests={num_requests}",
+                          f"trace.seed={seed}"])  # fmt: skip
+    return build(cfg.trace.generator)
 
 
 def radix(budget: int, block_size: int, policy: str) -> Callable[[], RadixAllocator]:
@@ -146,11 +156,22 @@ def main(argv: list[str]) -> None:
         default="0.25,0.5,1",
         help="cache budgets as fractions of the working set, comma-separated",
     )
+    parser.add_argument(
+        "--mooncake",
+        type=int,
+        default=0,
+        help="also a trace=mooncake_like of this many requests (multi-turn sessions over "
+        "shared system prompts; 100000: the replay at scale)",
+    )
+    parser.add_argument("--only-mooncake", action="store_true", help="skip the two small traces")
     args = parser.parse_args(argv)
     fractions = [float(f) for f in args.fractions.split(",")]
-    if args.block_size < 1 or not all(f > 0 for f in fractions):
-        parser.error("--block-size must be >= 1 and every fraction > 0")
-    for name, trace in make_traces(args.seed).items():
+    if args.block_size < 1 or not all(f > 0 for f in fractions) or args.mooncake < 0:
+        parser.error("--block-size must be >= 1, every fraction > 0, --mooncake >= 0")
+    traces = {} if args.only_mooncake else make_traces(args.seed)
+    if args.mooncake:
+        traces["mooncake_like"] = mooncake_trace(args.mooncake, args.seed)
+    for name, trace in traces.items():
         print(table(name, trace, args.block_size, fractions), end="\n\n")
     print(
         "One request at a time in arrival order; outputs are fresh token ids (only prompts are "

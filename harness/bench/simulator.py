@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.bench simulator")
     parser.add_argument("--sizes", default="tiny", help="model sizes (conf/model), comma-separated")
     parser.add_argument("--requests", type=int, default=60, help="requests per scenario")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help="scenarios (module docstring)"
+    )
     parser.add_argument("--out", help="folder for the runs (default: a temporary one)")
     args = parser.parse_args(argv)
     scenarios = args.scenarios.split(",")

@@ -6,10 +6,11 @@ The real engine (virtual clock, recorder on) runs cells of requests that all arr
 (decode cells: ``batches`` x ``contexts``, each sequence decoding ``decode_tokens``; their
 prefills are the prefill steps) and cells of staggered mixed-length requests under chunked
 prefill (``chunks``: prefill chunks over prior context beside running decodes, the mixed
-steps). With ``speculative=draft`` the decode cells speculate (verification steps). Block
-copies and swaps are timed apart, per block. Every step's counts and measured duration go
-into the fit (harness/costmodel/fit.py); the profile, the steps it was fitted on and the
-residuals land in the run's folder (``results/calibrate/runs/<id>/``).
+steps). With ``speculative=draft`` the decode cells speculate (verification steps). A cell
+runs ``repeats`` times; where the schedule repeats, each step's duration is the median over
+the runs. Block copies and swaps are timed apart, per block. Every step's counts and
+measured duration go into the fit (harness/costmodel/fit.py); the profile, the steps it was
+fitted on and the residuals land in the run's folder (``results/calibrate/runs/<id>/``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Grid:
     chunks: list[int] = field(default_factory=lambda: [64, 256])
     mixed_requests: int = 24
     move_blocks: list[int] = field(default_factory=lambda: [1, 8, 32])
-    repeats: int = 3
+    repeats: int = 3  # runs of each cell (median step) and timings of each move size
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -139,7 +140,7 @@ def calibrate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     for trace, policy, spec in cells:
         cell = trace.metadata["cell"] + ("-spec" if spec else "")
         print(f"  cell {cell}: {len(trace)} requests", file=sys.stderr)
-        rows += [r | {"cell": cell} for r in _run_cell(build, trace, policy, spec)]
+        rows += [r | {"cell": cell} for r in _run_cell(build, trace, policy, spec, grid.repeats)]
     engine = build(spec=None)
     moves = time_moves(engine, grid)
     steps = steps_frame([{k: v for k, v in r.items() if k != "cell"} for r in rows])
@@ -171,10 +172,25 @@ def calibrate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     return data
 
 
-def _run_cell(build, trace: Trace, policy, spec) -> list[dict]:
-    engine = build(policy, spec)
-    replay(engine, trace, progress=False)
-    return engine.recorder.steps
+def _run_cell(build, trace: Trace, policy, spec, repeats: int = 1) -> list[dict]:
+    """The cell's step rows, each step's duration the median over ``repeats`` runs when the
+    schedule repeats (every request at t=0: the same steps each run), so a step slowed by
+    another process does not set its cost; a cell whose schedule moved (staggered arrivals)
+    keeps every run's steps."""
+    runs = []
+    for _ in range(repeats):
+        engine = build(policy, spec)
+        replay(engine, trace, progress=False)
+        runs.append(engine.recorder.steps)
+    same = all(len(r) == len(runs[0]) for r in runs) and all(
+        from_step(a) == from_step(b) for r in runs[1:] for a, b in zip(runs[0], r, strict=True)
+    )
+    if not same:
+        return [step for r in runs for step in r]
+    return [
+        step | {"duration": statistics.median(r[i]["duration"] for r in runs)}
+        for i, step in enumerate(runs[0])
+    ]
 
 
 def time_moves(engine: LLMEngine, grid: Grid) -> dict[str, float]:

@@ -18,6 +18,9 @@ engine.profile=PATH``). It is JSON, schema ``kvbench-profile`` version 1:
                          unit}, "residuals": {...}} (measured); "step" is the intercept
     moves                seconds per block: {"block_copies": ..., "swap_blocks": ...}
     acceptance_rate      speculative acceptance measured while calibrating (null: none)
+    roofline             (roofline only) peak rates, efficiency, host overhead and each
+                         operator's FLOPs and bytes per unit of the counts
+                         (harness/costmodel/roofline.py)
     created              ISO time it was written
 
 A measured profile prices a step as ``moves . counts + kinds[kind] . (1, counts)``: linear

@@ -245,7 +245,8 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         if plan.scheduled:
             forward = self.runner.forward(self._rows(plan), self._inflight_tokens)
         # The step's work, priced by a model clock (a measuring clock ignores it).
-        self.clock.charge(step_features(plan, forward.work if forward else Work()))
+        features = step_features(plan, forward.work if forward else Work())
+        self.clock.charge(features)
         if forward is not None:
             if pipelined and forward.logits is not None:
                 tokens = mx.argmax(forward.logits, axis=-1)
@@ -275,6 +276,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             swap_time=swap_time,
             verifications=self._verifications,
             work=forward.work if forward else None,
+            features=features,
         )
         return outputs
 

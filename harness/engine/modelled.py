@@ -42,12 +42,12 @@ def step_features(plan: SchedulerOutput, work: Work) -> StepFeatures:
         block_copies=len(plan.copies) + len(plan.draft_copies),
         swap_blocks=sum(len(s.blocks) for s in (*plan.swapped_out, *plan.swapped_in)),
         draft_rounds=max((s.num_draft_tokens for s in drafts), default=0),
-        draft_tokens=sum(draft_fed(s) for s in drafts),
+        draft_tokens=sum(_draft_fed(s) for s in drafts),
         single_token_rows=work.single_token_rows,
     )
 
 
-def draft_fed(s: Scheduled) -> int:
+def _draft_fed(s: Scheduled) -> int:
     """Tokens the draft model feeds for one verification: it catches up from ``draft_start``
     to the sequence's end, then feeds its own proposals but the last."""
     return s.seq.num_tokens - s.draft_start + s.num_draft_tokens - 1

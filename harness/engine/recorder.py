@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from harness.costmodel.features import StepFeatures
 from harness.engine.model_runner import Work
-from harness.engine.modelled import draft_fed
 from harness.engine.request import Sequence
 from harness.engine.speculative import Verifications
 from schedulers.output import KVStats, SchedulerOutput
@@ -163,13 +163,15 @@ class Recorder:
         swap_time: float = 0.0,
         verifications: Verifications | None = None,
         work: Work | None = None,
+        features: StepFeatures | None = None,
     ) -> None:
         """One row per step: the plan, its timings, the forward's ``work`` (none when
-        nothing ran) and the ``snapshot`` taken during it."""
+        nothing ran), the cost model's ``features`` and the ``snapshot`` taken during it."""
         if not self.enabled:
             return
         spec = verifications or Verifications()
         work = work or Work()
+        features = features or StepFeatures()
         if not self.measured:
             forward_time = build_time = swap_time = 0.0
         row.update(
@@ -193,8 +195,8 @@ class Recorder:
             logit_rows=work.logit_rows,
             single_token_rows=work.single_token_rows,
             draft_block_copies=len(plan.draft_copies),
-            draft_rounds=max((s.num_draft_tokens for s in plan.scheduled), default=0),
-            draft_tokens=sum(draft_fed(s) for s in plan.scheduled if s.num_draft_tokens),
+            draft_rounds=features.draft_rounds,
+            draft_tokens=features.draft_tokens,
             mlx_peak_bytes=mx.get_peak_memory() if self.measured else 0,
             spec_proposed=spec.proposed,
             spec_accepted=spec.accepted,

@@ -1,4 +1,5 @@
-"""Seeded workload generators: synthetic, shared_prefix, multi_turn (Hydra ``_target_``s).
+"""Seeded workload generators: synthetic, shared_prefix, multi_turn, mooncake_like (Hydra
+``_target_``s).
 
 Each draws everything from ``np.random.default_rng(seed)`` in a fixed order, so the same
 arguments give the same trace. Token ids are uniform on ``[1, vocab_size)``.
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from harness.workload.distributions import ArrivalProcess, LengthDist
+from harness.workload.public import Record, hashed_trace
 from harness.workload.traces import Trace, TraceRequest, max_prefix_hit_rate
 
 
@@ -194,3 +196,75 @@ def multi_turn(
         "think_time": think_time,
     }
     return _make_trace(requests, "multi_turn", params, seed, vocab_size)
+
+
+def mooncake_like(
+    num_requests: int,
+    arrival: ArrivalProcess,
+    *,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    max_len: int = 2048,
+    hash_block: int = 64,
+    num_system_prompts: int = 8,
+    system_blocks: int = 4,
+    turns: float = 3.0,
+    user_blocks: LengthDist,
+    output_len: LengthDist,
+    think_time: float = 30.0,
+) -> Trace:
+    """Multi-turn sessions over shared system prompts, as block hash ids (Mooncake's form,
+    harness/workload/public.py): a session starts at each ``arrival``, picks one of
+    ``num_system_prompts`` prompts of ``system_blocks`` blocks, and runs a Geometric number
+    of turns (mean ``turns``, at least 1), ``think_time`` s apart on average (exponential).
+    Turn k's prompt is the system prompt, every earlier turn's user blocks and answer blocks
+    (the answer as fresh ids: the trace's answer, not the engine's), then ``user_blocks`` new
+    blocks, the last one partial. Requests are the first ``num_requests`` by arrival."""
+    _check_vocab(vocab_size)
+    if num_requests < 0 or turns < 1 or hash_block < 1 or system_blocks < 0:
+        raise ValueError(
+            "mooncake_like: num_requests >= 0, turns >= 1, hash_block >= 1 and "
+            "system_blocks >= 0 required"
+        )
+    rng = np.random.default_rng(seed)
+    starts = arrival.sample(num_requests, rng)  # enough sessions: each has >= 1 request
+    next_id = num_system_prompts * system_blocks  # ids below: the system prompts' blocks
+    records: list[Record] = []
+    horizon = np.inf
+    for start in starts:
+        if start > horizon:
+            break  # every later session starts after the requests already kept
+        system = int(rng.integers(num_system_prompts))
+        history = list(range(system * system_blocks, (system + 1) * system_blocks))
+        at = float(start)
+        for _ in range(int(rng.geometric(1 / turns))):
+            new = int(user_blocks.sample(1, rng)[0])
+            ids = history + list(range(next_id, next_id + new))
+            next_id += new
+            length = len(ids) * hash_block - int(rng.integers(hash_block))
+            output = int(output_len.sample(1, rng)[0])
+            records.append(Record(at, length, output, tuple(ids)))
+            answer = -(-output // hash_block)
+            history = ids + list(range(next_id, next_id + answer))
+            next_id += answer
+            at += float(rng.exponential(think_time))
+        if len(records) >= num_requests and horizon == np.inf:
+            # The num_requests-th arrival so far: later records only lower it, so no
+            # session starting after it can give one of the first num_requests.
+            horizon = np.partition([r.arrival for r in records], num_requests - 1)[num_requests - 1]
+    records.sort(key=lambda r: r.arrival)
+    params = {
+        "num_requests": num_requests,
+        "arrival": _describe(arrival),
+        "hash_block": hash_block,
+        "num_system_prompts": num_system_prompts,
+        "system_blocks": system_blocks,
+        "turns": turns,
+        "user_blocks": _describe(user_blocks),
+        "output_len": _describe(output_len),
+        "think_time": think_time,
+        "seed": seed,
+    }
+    return hashed_trace(
+        "mooncake_like", records[:num_requests], params, max_len, vocab_size, seed, hash_block
+    )

@@ -139,6 +139,10 @@ def test_speculative_acceptance_follows_the_set_probability(model, tmp_path, acc
     assert row["spec_accepted"] == acceptance * row["spec_proposed"]
     if acceptance == 1.0:
         assert sum(s["spec_verifications"] for s in engine.recorder.steps) == 4
+    # The first verification: the draft catches up on the 3 prompt tokens and the sampled
+    # one (4 tokens), then feeds 3 of its 4 proposals: 4 sequential forwards, 7 tokens.
+    first = engine.recorder.steps[1]
+    assert (first["draft_rounds"], first["draft_tokens"]) == (4, 7)
 
 
 def test_a_half_acceptance_rate_accepts_about_half_the_drafts(model, tmp_path):

@@ -1,0 +1,92 @@
+"""kvbench-calibrate end to end on a small grid: a profile that loads, prices this model's
+steps and drives a model-clock replay; a bad grid value is one line, exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from hydra import compose, initialize_config_dir
+
+from harness.cli.calibrate import PROFILE_FILE, STEPS_FILE, calibrate, format_residuals
+from harness.cli.run import CONFIG_DIR, run
+from harness.costmodel.profile import fingerprint, load
+from harness.platform.models import random_model
+
+SMALL_GRID = (
+    "calibrate.batches=[1,2]",
+    "calibrate.contexts=[16,48]",
+    "calibrate.decode_tokens=12",
+    "calibrate.chunks=[16]",
+    "calibrate.mixed_requests=6",
+    "calibrate.move_blocks=[1,2]",
+    "calibrate.repeats=2",
+    "engine.num_blocks=64",
+    "progress=false",
+)
+
+
+def compose_calibrate(*overrides: str):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="test"):
+        return compose(config_name="calibrate", overrides=[*SMALL_GRID, *overrides])
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("calibrate")
+    calibrate(compose_calibrate(), out)
+    return out
+
+
+def test_a_calibration_writes_a_profile_of_this_model_with_its_residuals(calibrated):
+    profile = load(calibrated / PROFILE_FILE)
+    shape = random_model("llama", "tiny").shape()
+    assert profile.kind == "measured"
+    assert profile.data["model"]["fingerprint"] == fingerprint(shape)
+    assert profile.data["block_size"] == 16
+    assert profile.data["machine"]["mlx"]  # where it was measured
+    assert {"decode", "prefill", "mixed"} <= set(profile.data["kinds"])
+    for fit in profile.data["kinds"].values():
+        r = fit["residuals"]
+        assert r["steps"] >= 8 and r["median_abs"] >= 0 and r["p90_abs"] >= r["median_abs"]
+        assert all(c > 0 for c in fit["coefficients"].values())
+    assert set(profile.data["moves"]) == {"block_copies", "swap_blocks"}
+    assert all(v > 0 for v in profile.data["moves"].values())
+    assert profile.data["acceptance_rate"] is None  # no speculative cells
+    assert (calibrated / STEPS_FILE).exists()
+    printed = format_residuals(profile.data)
+    assert printed.splitlines()[0].split()[:2] == ["kind", "steps"]
+    assert {line.split()[0] for line in printed.splitlines()[1:]} == set(profile.data["kinds"])
+
+
+def test_the_profile_drives_a_model_clock_replay(calibrated, compose_cfg, tmp_path):
+    profile = calibrated / PROFILE_FILE
+    summary = run(compose_cfg(["engine.clock=model", f"engine.profile={profile}"]), tmp_path)
+    assert summary["clock"] == "model" and summary["completed"] == 6
+    assert summary["profile"]["path"] == str(profile)
+    assert summary["profile"]["kind"] == "measured"
+    assert summary["warmup_requests"] == 0
+
+
+def test_a_bad_grid_value_is_one_line_and_exit_2(tmp_path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.cli.calibrate", "calibrate.batches=[0]"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "kvbench-calibrate: error: calibrate.batches=[0] is invalid: a list of ints >= 1"
+    ]
+    assert "Traceback" not in proc.stdout

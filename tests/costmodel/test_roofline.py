@@ -1,0 +1,256 @@
+"""Roofline profiles (harness/costmodel/roofline.py): hand-computed step times, the bound
+each step is under, and a saved profile's predictions after load."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from harness.costmodel.features import FEATURES, StepFeatures
+from harness.costmodel.profile import ProfileError, fingerprint, load, save
+from harness.costmodel.roofline import (
+    RooflineProfile,
+    decode_step,
+    derive,
+    devices,
+    main,
+    prefill_step,
+    shape_of,
+)
+
+A100_FP16, A100_FP32, A100_BW, A100_PCIE = 312.0e12, 19.5e12, 2.039e12, 32.0e9
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def toy(**sizes) -> dict:
+    """A one-layer fp16 shape small enough to price by hand."""
+    shape = dict(
+        name="toy",
+        num_layers=1,
+        hidden_size=8,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        intermediate_size=16,
+        vocab_size=32,
+        dtype="float16",
+        window_layers=[],
+    )
+    return {**shape, **sizes}
+
+
+# Llama-2-7B's shape: 6,738,415,616 parameters, bf16.
+LLAMA_7B = toy(
+    name="llama-2-7b",
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    intermediate_size=11008,
+    vocab_size=32000,
+    dtype="bfloat16",
+    num_params=6_738_415_616,
+)
+
+
+def profile(shape: dict, device: str = "a100", **kw) -> RooflineProfile:
+    return RooflineProfile("test", derive(shape, device, block_size=16, **kw))
+
+
+def test_decode_of_one_row_costs_its_bytes_over_bandwidth():
+    # bytes, at 2 per value, of one token through the toy layer at a 16-token context:
+    #   q, o (8x8)          weights 128 + activations 32     = 160 each
+    #   k, v (8x4)          64 + 24                          =  88 each
+    #   gate, up, down      256 + 48                         = 304 each
+    #   LM head (8x32)      512 + 80                         = 592
+    #   attention           K, V 16 x 2 x 4 x 2 = 256, q, o, new k, v (2 + 2 + 1 + 1) x 4 x 2
+    #                       = 48                             = 304
+    #   elementwise         (10 x 8 + 3 x 16 + 2 x 3 x 4 + 4 x 8) x 2 = 368
+    # The most FLOPs per byte is the attention's 512 / 304, far under the A100's ridge.
+    total = 2 * 160 + 2 * 88 + 3 * 304 + 592 + 304 + 368
+    assert profile(toy()).predict(decode_step(1, 16, 16)) == pytest.approx(total / A100_BW)
+
+
+def test_long_prefill_costs_its_flops_over_peak():
+    wide = toy(
+        hidden_size=1024,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        intermediate_size=2048,
+        vocab_size=1024,
+    )
+    tokens = 2048
+    # per token: q, o 2 x 1024 x 1024; k, v 2 x 1024 x 256; gate, up, down 2 x 1024 x 2048
+    linear = (2 * 2 * 1024 * 1024 + 2 * 2 * 1024 * 256 + 3 * 2 * 1024 * 2048) * tokens
+    attention = 4 * 128 * 8 * tokens * tokens  # 4 d x heads x query-key pairs
+    # memory-bound still: the LM head for one logit row, the elementwise traffic
+    head = (1024 * 1024 + 1024 + 1024) * 2
+    elementwise = (10 * 1024 + 3 * 2048 + 2 * 10 * 128 + 4 * 1024) * 2 * tokens
+    expected = (linear + attention) / A100_FP16 + (head + elementwise) / A100_BW
+    assert profile(wide).predict(prefill_step(tokens, 16)) == pytest.approx(expected)
+
+
+def test_gqa_changes_attention_bytes_not_flops():
+    mha, gqa = profile(toy(num_kv_heads=2)), profile(toy(num_kv_heads=1))
+    work = decode_step(4, 64, 16)
+    a, b = mha.times(work)["attention"], gqa.times(work)["attention"]
+    assert a["compute"] == b["compute"]
+    assert b["memory"] < a["memory"]
+
+
+def test_decode_is_memory_bound_and_a_chunk_compute_bound_on_an_a100():
+    """Sarathi-Serve's premise: a decode leaves an A100's compute idle; a 512-token
+    prefill chunk saturates it."""
+    a100 = profile(LLAMA_7B)
+    decode = a100.times(decode_step(1, 512, 16))
+    for name in (*PROJECTIONS, "lm_head", "attention"):
+        assert decode[name]["compute"] < decode[name]["memory"] / 10, name
+    chunk = a100.times(prefill_step(512, 16))
+    for name in (*PROJECTIONS, "attention"):
+        assert chunk[name]["compute"] > chunk[name]["memory"], name
+
+
+def test_decode_of_7b_reads_its_weights_once():
+    weights = (LLAMA_7B["num_params"] - 32000 * 4096 - 65 * 4096) * 2  # no embedding, norms
+    seconds = profile(LLAMA_7B).predict(decode_step(1, 512, 16))
+    assert weights / A100_BW < seconds < 1.05 * weights / A100_BW
+
+
+@pytest.mark.parametrize("device", sorted(devices()))
+@pytest.mark.parametrize("count", FEATURES[:8])
+def test_more_work_never_costs_less(device, count):
+    small = profile(shape_of("small"), device)
+    base = decode_step(8, 256, 16)
+    more = replace(base, **{count: getattr(base, count) * 2 + 1})
+    assert small.predict(more) >= small.predict(base)
+
+
+@pytest.mark.parametrize("device", sorted(devices()))
+def test_rows_and_tokens_cost_strictly_more(device):
+    small = profile(shape_of("small"), device)
+    decodes = [small.predict(decode_step(n, 512, 16)) for n in (1, 8, 32, 128)]
+    prefills = [small.predict(prefill_step(n, 16)) for n in (16, 128, 512, 2048)]
+    assert decodes == sorted(set(decodes))
+    assert prefills == sorted(set(prefills))
+
+
+def test_block_moves_cost_their_bytes():
+    tiny = shape_of("tiny")  # fp32, 4 layers, 2 KV heads of 64
+    block = 16 * 2 * 2 * 64 * 4 * 4
+    idle = StepFeatures(block_copies=3, swap_blocks=2)
+    assert profile(tiny).predict(idle) == pytest.approx(
+        3 * 2 * block / A100_BW + 2 * block / A100_PCIE
+    )
+    m2 = devices()["m2-max"]
+    assert profile(tiny, "m2-max").predict(StepFeatures(swap_blocks=1)) == pytest.approx(
+        block / m2["host_link_bandwidth"]
+    )
+
+
+def test_verify_step_needs_a_draft_model():
+    verify = replace(decode_step(4, 512, 16), draft_rounds=3, draft_tokens=12)
+    with pytest.raises(ProfileError, match="draft"):
+        profile(shape_of("small")).predict(verify)
+    speculative = profile(shape_of("small"), draft=shape_of("tiny"))
+    draft_weights = (
+        3_211_264 * 4
+    )  # tiny: 4 x (2 x 256^2 + 2 x 256 x 128 + 3 x 256 x 704) + 256 x 1024
+    plain = replace(verify, draft_rounds=0, draft_tokens=0)
+    extra = speculative.predict(verify) - speculative.predict(plain)
+    assert extra == pytest.approx(3 * draft_weights / A100_BW)
+
+
+def test_efficiency_scales_the_peaks_and_is_saved():
+    data = derive(LLAMA_7B, "a100", block_size=16, efficiency={"memory": 0.5})
+    assert data["roofline"]["efficiency"] == {"compute": 1.0, "memory": 0.5, "host_link": 1.0}
+    decode = decode_step(1, 512, 16)
+    slowed = RooflineProfile("test", data).predict(decode)
+    assert slowed == pytest.approx(2 * profile(LLAMA_7B).predict(decode))
+    with pytest.raises(ValueError, match="compute, memory, host_link"):
+        derive(LLAMA_7B, "a100", block_size=16, efficiency={"flops": 0.7})
+
+
+def test_dtype_bytes_prices_another_width():
+    fp32 = profile(shape_of("small"))
+    fp16 = profile(shape_of("small"), dtype_bytes=2)
+    chunk = prefill_step(512, 16)
+    assert fp16.predict(chunk) < fp32.predict(chunk)
+    assert fp16.data["roofline"]["peak"]["compute"] == A100_FP16
+    assert fp32.data["roofline"]["peak"]["compute"] == A100_FP32
+
+
+def test_saved_profile_predicts_identically_after_load(tmp_path):
+    data = derive(shape_of("small"), "m3-ultra", block_size=16, draft=shape_of("tiny"))
+    save(data, tmp_path / "roofline.json")
+    loaded = load(tmp_path / "roofline.json")
+    assert isinstance(loaded, RooflineProfile) and loaded.kind == "roofline"
+    fresh = RooflineProfile("fresh", data)
+    steps = [
+        decode_step(7, 333, 16),
+        prefill_step(1000, 16),
+        StepFeatures(block_copies=2, swap_blocks=5),
+        replace(decode_step(3, 90, 16), draft_rounds=4, draft_tokens=16, groups=2),
+    ]
+    assert [loaded.predict(s) for s in steps] == [fresh.predict(s) for s in steps]
+
+
+def test_profile_records_model_machine_and_schema():
+    data = derive(shape_of("tiny"), "h100", block_size=32)
+    assert (data["format"], data["version"], data["kind"]) == ("kvbench-profile", 1, "roofline")
+    assert data["model"]["fingerprint"] == fingerprint(shape_of("tiny"))
+    assert data["machine"]["name"] == "h100" and data["block_size"] == 32
+    assert data["features"] == list(FEATURES)
+
+
+def test_shape_of_matches_the_built_model(model):
+    assert shape_of("tiny") == {**model.shape(), "name": "llama-tiny"}
+
+
+def test_every_device_sheet_is_numbers():
+    for name, sheet in devices().items():
+        figures = [*sheet["peak_flops"].values(), sheet["memory_bandwidth"]]
+        figures += [sheet["host_link_bandwidth"], sheet["memory_capacity"]]
+        assert all(isinstance(x, (int, float)) and x > 0 for x in figures), name
+        assert set(sheet["peak_flops"]) == {"fp16", "fp32"}, name
+
+
+def test_unknown_device_names_the_known_ones(tmp_path, capsys):
+    with pytest.raises(ValueError, match="a100, h100, m2-max, m3-ultra"):
+        derive(shape_of("tiny"), "tpu-v5", block_size=16)
+    assert main(["--device", "tpu-v5", "--model", "tiny", "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a100, h100, m2-max, m3-ultra" in err
+    assert not (tmp_path / "p").exists()
+
+
+def test_command_writes_a_loadable_profile(tmp_path, capsys):
+    out = tmp_path / "h100.json"
+    assert main(["--device", "h100", "--model", "small", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0] == str(out) and "prefill, 512 tokens" in printed
+    assert load(out).predict(decode_step(1, 512, 16)) > 0
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        (toy(window_layers=[0]), "sliding-window"),
+        (toy(num_params=10**6), "mixture of experts"),
+        (toy(dtype="int4"), "dtype_bytes"),
+        ({**toy(), "head_dim": None}, "head_dim"),
+    ],
+)
+def test_shapes_a_roofline_cannot_price_are_refused(shape, match):
+    with pytest.raises(ValueError, match=match):
+        derive(shape, "a100", block_size=16)
+
+
+def test_malformed_roofline_section_is_a_profile_error(tmp_path):
+    data = derive(shape_of("tiny"), "a100", block_size=16)
+    del data["roofline"]["peak"]
+    save(data, tmp_path / "bad.json")
+    with pytest.raises(ProfileError, match="'roofline'"):
+        load(tmp_path / "bad.json")

@@ -1,7 +1,7 @@
 """Scale: kvbench runs of 1k to 100k requests on the model clock; wall time and peak memory.
 
 ``python -m harness.bench scale [--sizes 1000,10000,100000] [--allocators ...]
-[--schedulers fcfs,chunked_prefill] [--traces poisson,shared_prefix] [--timeout 600]``
+[--schedulers fcfs,chunked_prefill] [--traces azure_like,mooncake_like] [--timeout 600]``
 
 On the model clock (``engine.clock=model``, priced by the committed profile
 ``results/baselines/profile-llama-tiny.json``) no model runs: a replay's cost is the per-step
@@ -17,11 +17,11 @@ before (linear: the sizes' ratio).
 The arena (``--num-blocks 4096`` of 16 slots) holds ``max_num_seqs`` (32) sequences of
 ``max_model_len`` (2048) even rounded up to a buddy allocator's powers of two, so requests
 queue for a place in the batch rather than preempt each other. Arrivals come at
-``--rate 40`` requests/s, four times what the tiny model's profile serves: the waiting queue
-grows to most of the trace, as in a saturated replay. A cell that takes longer than
-``--timeout`` seconds is reported as ``timeout``. Trace options name ``conf/trace/`` groups;
-``shared_prefix`` is sized by its users (4 system prompts x size/4 users), any other by
-``trace.num_requests``.
+``--rate 40`` requests/s (mooncake_like: sessions/s), at least four times what the tiny
+model's profile serves (about 10 short requests/s): the waiting queue grows to most of the
+trace, as in a saturated replay. A cell that takes longer than ``--timeout`` seconds is
+reported as ``timeout``. Trace options name ``conf/trace/`` groups; ``shared_prefix`` is
+sized by its users (4 system prompts x size/4 users), any other by ``trace.num_requests``.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="conf/allocator options, comma-separated")  # fmt: skip
     parser.add_argument("--schedulers", default="fcfs,chunked_prefill",
                         help="conf/scheduler options, comma-separated")  # fmt: skip
-    parser.add_argument("--traces", default="poisson,shared_prefix",
+    parser.add_argument("--traces", default="azure_like,mooncake_like",
                         help="conf/trace options, comma-separated")  # fmt: skip
     parser.add_argument("--rate", type=float, default=40.0, help="arrivals per second")
     parser.add_argument("--num-blocks", type=int, default=4096, help="KV arena blocks (of 16)")

@@ -56,7 +56,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import chain
 
 from allocators.base import Allocation, BlockAllocator, blocks_for
 from schedulers.kv_groups import DraftKV, WindowRings
@@ -274,8 +275,7 @@ class Scheduler(ABC):
 
     def next_incoming(self) -> Request | None:
         """The request that comes in next when room allows (the head of the line)."""
-        order = self._incoming()
-        return order[0] if order else None
+        return next(self._incoming(), None)
 
     # -- a step's results ----------------------------------------------------------------
     def update(
@@ -314,13 +314,15 @@ class Scheduler(ABC):
         """Memory and queues as the plan leaves them (the recorder's one view of both)."""
         alloc = self.allocator
         running = tuple(
-            Holding(
-                seq,
-                alloc.num_tokens(seq.request_id),
-                alloc.held_slots(seq.request_id),
-                tuple(alloc.block_table(seq.request_id)),
-            )
-            for seq in self.running
+            [
+                Holding(
+                    seq,
+                    alloc.num_tokens(seq.request_id),
+                    alloc.held_slots(seq.request_id),
+                    tuple(alloc.block_table(seq.request_id)),
+                )
+                for seq in self.running
+            ]
         )
         head = self.next_incoming()
         unusable = 0
@@ -384,7 +386,7 @@ class Scheduler(ABC):
 
     def _stalled_by_parked(self) -> bool:
         """Parked sequences hold blocks while others wait to come in."""
-        return any(s in self.parked for s in self.running) and bool(self._incoming())
+        return any(s in self.parked for s in self.running) and self.next_incoming() is not None
 
     def _widen(self, out: SchedulerOutput) -> None:
         """Give decodes lookahead slots for draft tokens, from headroom only."""
@@ -467,8 +469,12 @@ class Scheduler(ABC):
 
         A swapped-in sequence gets its blocks and host copy back now and runs from the next
         step: the engine writes it after this step's block copies, whose sources may be the
-        very blocks it gets (a region that relocated this step)."""
+        very blocks it gets (a region that relocated this step).
+
+        The incoming order is read lazily (a saturated replay's queue holds tens of
+        thousands), so the requests that leave the queues go after the loop."""
         just_preempted = {id(s) for s, _ in out.preempted}
+        leaving: list[tuple[deque[Request] | list[Request], Request]] = []  # admitted, rejected
         for seq in self._incoming():
             swapped = seq.status is Status.SWAPPED
             if len(self.running) >= self.max_num_seqs or (budget <= 0 and not swapped):
@@ -476,7 +482,7 @@ class Scheduler(ABC):
             if id(seq) in just_preempted:
                 break  # it made room for someone this step; do not undo that
             if not swapped and (reason := self._never_fits(seq)):
-                self.waiting.remove(seq)
+                leaving.append((self.waiting, seq))
                 self.restored.pop(seq.request_id, None)
                 self.allocator.expect(seq.request_id, None)
                 out.rejected.append((seq, reason))
@@ -497,7 +503,7 @@ class Scheduler(ABC):
                     seq.num_computed_tokens = 0
                 if (n > 0 or swapped) and not self.running:
                     # Nothing else holds blocks: it will never fit.
-                    (self.swapped if swapped else self.waiting).remove(seq)
+                    leaving.append((self.swapped if swapped else self.waiting, seq))
                     self.host_blocks.pop(seq.request_id, None)
                     self.restored.pop(seq.request_id, None)
                     self.allocator.expect(seq.request_id, None)
@@ -509,13 +515,13 @@ class Scheduler(ABC):
             seq.status = Status.RUNNING
             ring = self.rings.take(seq.request_id) if self.rings is not None else ()
             if swapped:
-                self.swapped.remove(seq)
+                leaving.append((self.swapped, seq))
                 host = self.host_blocks.pop(seq.request_id)
                 first = cached // self.allocator.block_size
                 table = self.allocator.block_table(seq.request_id)
                 out.swapped_in.append(SwapIn(seq, tuple(table[first:host]), first, ring))
                 continue
-            self.waiting.remove(seq)
+            leaving.append((self.waiting, seq))
             if seq.request_id in self.restored:
                 self._write_back(out, seq, cached)
             if seq.num_cached_tokens is None:
@@ -523,6 +529,8 @@ class Scheduler(ABC):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             budget = self._run(out, seq, n, alloc, budget)
+        for queue, seq in leaving:
+            queue.remove(seq)
         return budget
 
     def _reads_prefix_cache(self, seq: Request) -> bool:
@@ -604,21 +612,23 @@ class Scheduler(ABC):
 
     # -- policy hooks --------------------------------------------------------------------
     @abstractmethod
-    def _waiting_order(self) -> list[Request]:
-        """Admission order of the waiting queue."""
+    def _waiting_order(self) -> Iterable[Request]:
+        """Admission order of the waiting queue (the queue itself when that is its order:
+        it is read lazily, and not changed while it is read)."""
 
     @abstractmethod
     def _victim(self, candidates: list[Request]) -> Request:
         """Whom to preempt among running sequences not yet scheduled (and the one asking)."""
 
-    def _incoming_order(self) -> list[Request]:
+    def _incoming_order(self) -> Iterable[Request]:
         """Who comes in first: swapped sequences (earliest swapped first), then waiting."""
-        return self.swapped + self._waiting_order()
+        return chain(self.swapped, self._waiting_order())
 
-    def _incoming(self) -> list[Request]:
-        """``_incoming_order`` without the parked sequences."""
-        order = self._incoming_order()
-        return [s for s in order if s not in self.parked] if self.parked else order
+    def _incoming(self) -> Iterator[Request]:
+        """``_incoming_order`` without the parked sequences, lazily: the head of a long
+        queue costs no copy of it."""
+        order = iter(self._incoming_order())
+        return (s for s in order if s not in self.parked) if self.parked else order
 
     def _running_order(self) -> list[Request]:
         """Order in which running sequences claim the token budget and blocks."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from allocators.base import BlockAllocator
 from schedulers.base import Scheduler
 from schedulers.request import Request
@@ -24,8 +26,8 @@ class FCFSScheduler(Scheduler):
         super().__init__(allocator, **kwargs)
         self.prefill_first = order == "prefill_first"
 
-    def _waiting_order(self) -> list[Request]:
-        return list(self.waiting)
+    def _waiting_order(self) -> Iterable[Request]:
+        return self.waiting
 
     def _victim(self, candidates: list[Request]) -> Request:
         return max(candidates, key=self.running.index)

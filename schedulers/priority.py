@@ -80,10 +80,9 @@ class PriorityScheduler(Scheduler):
         return min(candidates, key=lambda s: (s.num_computed_tokens, -latest(s)))
 
     def _make_room(self, out: SchedulerOutput) -> None:
-        incoming = self._incoming()
-        if not self.preempt_lower or not incoming or not self.running:
+        head = self.next_incoming()
+        if not self.preempt_lower or head is None or not self.running:
             return
-        head = incoming[0]
         lower = sorted((s for s in self.running if self.rank(s) > self.rank(head)), key=self.rank)
         if not lower or self._never_fits(head) or self._fits_by_count(head):
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 from tqdm import tqdm
@@ -50,6 +51,27 @@ def sampling_params(req: TraceRequest, sampling: Callable[..., SamplingParams] =
     return sampling(max_tokens=req.max_tokens, ignore_eos=True)
 
 
+def params_for(
+    sampling: Callable[..., SamplingParams] = GREEDY,
+) -> Callable[[TraceRequest], SamplingParams]:
+    """``sampling_params`` for each request of one replay: ``sampling`` called once, then its
+    result copied with each request's ``max_tokens`` (``replace`` runs the same checks).
+    Calling a Hydra partial costs about 0.2 ms, 20 s of a 100,000-request replay. The replay
+    reads only finished requests' outputs, so it asks for no other (``final_only``)."""
+    first = None
+
+    def params(req: TraceRequest) -> SamplingParams:
+        nonlocal first
+        if first is None:
+            first = sampling_params(req, sampling)
+            if isinstance(first, SamplingParams):  # beam search returns its own outputs
+                first = replace(first, output_kind="final_only")
+            return first
+        return replace(first, max_tokens=req.max_tokens)
+
+    return params
+
+
 def replay(
     engine: LLMEngine,
     trace: Trace,
@@ -64,6 +86,7 @@ def replay(
     clock = engine.clock
     origin = clock.now()
     pending = deque(trace.requests)
+    params = params_for(sampling)
     with tqdm(total=len(trace), unit="req", disable=not progress, dynamic_ncols=True) as bar:
         while pending or engine.has_unfinished_requests():
             now = clock.now()
@@ -72,7 +95,7 @@ def replay(
                 engine.add_request(
                     req.request_id,
                     req.prompt_token_ids,
-                    sampling_params(req, sampling),
+                    params(req),
                     arrival_time=origin + req.arrival_time,
                     priority=req.priority,
                     ttft_slo=req.ttft_slo,

@@ -358,7 +358,8 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             rows = mx.array([i for _, i in offering], dtype=mx.int32)
             candidates = np.array(logits[rows].astype(mx.float32))
         if forward.tokens is not None:
-            sampled = [Sampled(int(forward.tokens[i])) for i in picks]
+            chosen = forward.tokens.tolist()  # ints at once, not a numpy scalar per row
+            sampled = [Sampled(chosen[i]) for i in picks]
         else:
             # Rows of drafts or prompt logprobs beside the sampling ones, or forked
             # completions sampling from one row: one row of logits per token drawn.
@@ -367,12 +368,12 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             rows = [self._sample_row(seq) for seq in to_sample]
             sampled = sample(logits, rows, self.logprobs_mode) if to_sample else []
         now = self.clock.after(time.perf_counter() - start)
-        outputs = [self._accept(seq, got, now) for seq, got in verified]
+        outputs = [out for seq, got in verified for out in self._accept(seq, got, now)]
         for seq, pick in zip(to_sample, sampled, strict=True):
             if pick.logprobs is not None:
                 self._add_logprobs(seq, pick.token, pick.logprobs)
             self._append(seq, pick.token, now)
-            outputs.append(self._output(seq))
+            outputs += self._progressed(seq)
         for (seq, _), row in zip(offering, candidates, strict=True):
             group = self._beams[seq.group_id]
             if group.offer(seq, row):

@@ -70,10 +70,12 @@ class Work:
     @classmethod
     def of(cls, rows: Sequence[Row], groups: Sequence[Sequence[int]], block_size: int) -> Work:
         """The work of ``rows`` run as the padded batches ``groups`` (row indices)."""
+        lengths = [len(r.tokens) for r in rows]
+        ends = [r.start + n for r, n in zip(rows, lengths, strict=True)]
         queries = keys = pairs = 0
         for g in groups:
-            q = max(len(rows[i].tokens) for i in g)
-            k = -(-max(_end(rows[i]) for i in g) // block_size) * block_size
+            q = max(lengths[i] for i in g)
+            k = -(-max(ends[i] for i in g) // block_size) * block_size
             queries += len(g) * q
             keys += len(g) * k
             pairs += len(g) * q * k
@@ -81,10 +83,10 @@ class Work:
             groups=len(groups),
             query_tokens_padded=queries,
             kv_slots_read=keys,
-            kv_slots_attended=sum(map(_end, rows)),
+            kv_slots_attended=sum(ends),
             attention_pairs=pairs,
             logit_rows=sum(r.num_logits for r in rows),
-            single_token_rows=sum(len(r.tokens) == 1 for r in rows),
+            single_token_rows=lengths.count(1),
         )
 
 
@@ -278,20 +280,22 @@ def group_rows(rows: Sequence[Row], key_cost: float) -> list[list[int]]:
     def cost(n: int, q: int, c: int) -> float:
         return GROUP_COST + n * q * (1.0 + c * key_cost)
 
-    order = sorted(range(len(rows)), key=lambda i: (len(rows[i].tokens), _end(rows[i])))
+    shapes = [(len(r.tokens), _end(r)) for r in rows]  # (queries, context) of each row
+    order = sorted(range(len(rows)), key=shapes.__getitem__)
     groups: list[list[int]] = []
     q = c = 0
+    here = 0.0  # the last group's cost
     for i in order:
-        qi, ci = len(rows[i].tokens), _end(rows[i])
+        qi, ci = shapes[i]
         if groups:
             n = len(groups[-1])
             joined = cost(n + 1, max(q, qi), max(c, ci))
-            if joined <= cost(n, q, c) + cost(1, qi, ci):
+            if joined <= here + cost(1, qi, ci):
                 groups[-1].append(i)
-                q, c = max(q, qi), max(c, ci)
+                q, c, here = max(q, qi), max(c, ci), joined
                 continue
         groups.append([i])
-        q, c = qi, ci
+        q, c, here = qi, ci, cost(1, qi, ci)
     return groups
 
 

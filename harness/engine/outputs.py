@@ -73,15 +73,15 @@ class Outputs:
             self._finish(seq, reason, now, stop_reason=stop_reason)
         return reason is not None
 
-    def _accept(self, seq: Seq, got: Verified, now: float) -> RequestOutput:
+    def _accept(self, seq: Seq, got: Verified, now: float) -> list[RequestOutput]:
         """Append a verification's tokens (its KV the scheduler already counted in
-        ``update``); stop conditions drop what follows a stop."""
+        ``update``); stop conditions drop what follows a stop. Returns ``_progressed``."""
         for j, token in enumerate(got.tokens):
             if got.logprobs is not None:
                 self._add_logprobs(seq, token, got.logprobs[j])
             if self._append(seq, token, now):
                 break
-        return self._output(seq)
+        return self._progressed(seq)
 
     def _last_token(self, seq: Seq) -> bool:
         """The sequence stops on its last token whatever it is (max_tokens, model length)."""
@@ -117,6 +117,15 @@ class Outputs:
         seq.stop_reason = why.get("stop_reason")
         self._requests.pop(seq.request_id, None)
         self.recorder.request(seq)
+
+    def _progressed(self, seq: Seq) -> list[RequestOutput]:
+        """The output of a request whose ``seq`` got tokens this step: none until all its
+        completions finish when its params ask for the final output only."""
+        if seq.params.output_kind == "final_only":
+            group = self._groups.get(seq.group_id, (seq,)) if seq.finished else ()
+            if not (group and all(s.finished for s in group)):
+                return []
+        return [self._output(seq)]
 
     def _output(self, seq: Seq) -> RequestOutput:
         """The request's output: all its completions (n > 1), finished when all are."""

@@ -91,7 +91,7 @@ class Pipelined:
                 continue
             seq.token_ids[-1] = tokens[k]
             self._emitted(seq, tokens[k], now)
-            outputs.append(self._output(seq))
+            outputs += self._progressed(seq)
         self._inflight, self._inflight_tokens = [], None
         return outputs
 

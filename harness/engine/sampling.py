@@ -39,6 +39,8 @@ import numpy as np
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 MAX_LOGPROBS = 20  # vLLM's default ModelConfig.max_logprobs
+OutputKind = Literal["cumulative", "final_only"]
+OUTPUT_KINDS: tuple[str, ...] = get_args(OutputKind)
 
 
 class SamplingParamsError(ValueError):
@@ -71,6 +73,11 @@ class SamplingParams:
     and then the prompt token's log-probability plus the top-n, always from the raw logits
     (vLLM's ``GPUModelRunner._get_prompt_logprobs_dict``); such a request skips reading the
     prefix cache (``skip_reading_prefix_cache``, vLLM's), so every prompt position is computed.
+
+    ``output_kind`` (vLLM's ``RequestOutputKind``): ``cumulative``, a ``RequestOutput`` from
+    every step the request progresses in, with all its tokens so far; ``final_only``, the
+    finished request's alone (a replay reads nothing else: building the others was a fifth
+    of a model-clock replay's time).
     """
 
     n: int = 1
@@ -89,6 +96,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     seed: int | None = None
+    output_kind: OutputKind = "cumulative"
 
     def __post_init__(self) -> None:
         # Accept lists from configs and JSON; store tuples so params stay hashable.
@@ -114,6 +122,7 @@ class SamplingParams:
                 f"None or an int in [0, {MAX_LOGPROBS}]",
             ),
             ("seed", self.seed is None or isinstance(self.seed, int), "None or an int"),
+            ("output_kind", self.output_kind in OUTPUT_KINDS, f"one of {', '.join(OUTPUT_KINDS)}"),
             (
                 "stop_token_ids",
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

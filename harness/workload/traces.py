@@ -63,20 +63,55 @@ def max_prefix_hit_rate(requests: Iterable[TraceRequest], block_size: int | None
     Each prompt can hit at most its longest common prefix with an earlier prompt (capped at
     len-1: the last token is always computed, as in ``BlockAllocator.match_prefix``), rounded
     down to full blocks if ``block_size`` is given. Returns hits / total prompt tokens (0.0 for
-    an empty trace). A token trie makes it O(total tokens).
+    an empty trace).
+
+    Among a set of prompts, the one sharing the longest prefix with a prompt is a neighbour
+    of it in sorted order. So the prompts are sorted once, and each is compared with the
+    nearest earlier prompt on either side of it in that order (``_nearest_earlier``):
+    O(n log n) comparisons and no memory beyond the prompts, where a token trie took a dict
+    per token (~10^8 of them for 100,000 prompts of 1,000 tokens).
     """
-    root: dict[int, dict] = {}
-    hits = total = 0
-    for req in requests:
-        node, depth, ids = root, 0, req.prompt_token_ids
-        while depth < len(ids) and ids[depth] in node:
-            node, depth = node[ids[depth]], depth + 1
-        for tok in ids[depth:]:
-            node = node.setdefault(tok, {})
-        hit = min(depth, len(ids) - 1)
+    prompts = [req.prompt_token_ids for req in requests]
+    order = sorted(range(len(prompts)), key=prompts.__getitem__)  # stable: ties by arrival
+    before = _nearest_earlier(order)
+    after = _nearest_earlier(order[::-1])[::-1]
+    hits = 0
+    for i, left, right in zip(order, before, after, strict=True):
+        ids = prompts[i]
+        near = [prompts[j] for j in (left, right) if j is not None]
+        common = max((_common_prefix(ids, other) for other in near), default=0)
+        hit = min(common, len(ids) - 1)
         hits += hit - hit % block_size if block_size else hit
-        total += len(ids)
+    total = sum(map(len, prompts))
     return hits / total if total else 0.0
+
+
+def _nearest_earlier(order: list[int]) -> list[int | None]:
+    """For each position of ``order`` (request indices), the nearest index to its left that
+    is smaller (an earlier request), or None: a stack of indices, increasing upwards."""
+    stack: list[int] = []
+    out: list[int | None] = []
+    for i in order:
+        while stack and stack[-1] > i:
+            stack.pop()
+        out.append(stack[-1] if stack else None)
+        stack.append(i)
+    return out
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``: slices compared in C,
+    each step past the common part so far, doubling while they match and halving when not
+    (most prompts differ at once, shared ones for hundreds of tokens)."""
+    n = min(len(a), len(b))
+    common, step = 0, 1  # a[:common] == b[:common]
+    while step:
+        end = min(common + step, n)
+        if end > common and a[common:end] == b[common:end]:
+            common, step = end, step * 2
+        else:
+            step //= 2
+    return common
 
 
 _FIELDS = tuple(f.name for f in fields(TraceRequest))

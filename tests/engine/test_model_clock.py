@@ -82,6 +82,24 @@ def test_token_times_are_the_profiles_prices_of_the_steps(model, tmp_path):
     assert {s["mlx_peak_bytes"] for s in steps} == {0}
 
 
+def test_final_only_returns_the_finished_output_alone(model, tmp_path):
+    """``output_kind="final_only"``: no output while the request runs, then the finished one
+    with every token, as the cumulative outputs' last; the recorded rows do not change."""
+    got = {}
+    for kind in ("cumulative", "final_only"):
+        engine = modelled(model, toy_profile(model, tmp_path))
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, output_kind=kind)
+        engine.add_request("a", [1, 2, 3, 4], params, arrival_time=0.0)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        got[kind] = outputs, engine.recorder.requests, engine.recorder.steps
+    (final,) = got["final_only"][0]
+    assert final.finished and final == got["cumulative"][0][-1]
+    assert len(got["cumulative"][0]) == 5
+    assert repr(got["final_only"][1:]) == repr(got["cumulative"][1:])  # NaN SLOs: by repr
+
+
 def test_a_prefill_beside_a_decode_is_a_mixed_step(model, tmp_path):
     """a (2 tokens) prefills alone: 50 ms. b (3 tokens) arrives then and prefills beside a's
     decode: 10 + 3 x 25... padded with a's row to 2 rows x 3 query tokens = 6: 10 + 150 =

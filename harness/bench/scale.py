@@ -1,0 +1,196 @@
+"""Scale: kvbench runs of 1k to 100k requests on the model clock; wall time and peak memory.
+
+``python -m harness.bench scale [--sizes 1000,10000,100000] [--allocators ...]
+[--schedulers fcfs,chunked_prefill] [--traces azure_like,mooncake_like] [--timeout 600]``
+
+On the model clock (``engine.clock=model``, priced by the committed profile
+``results/baselines/profile-llama-tiny.json``) no model runs: a replay's cost is the per-step
+Python of the engine, scheduler, recorder and allocator, which this benchmark measures. Each
+cell (size x trace x allocator x scheduler) is one kvbench ``run`` (trace built, replayed,
+tables and summary written) in a subprocess of its own, so its peak RSS is its own. Per cell:
+wall seconds of ``run`` and the CPU seconds of its process (user + system: on a machine other
+work shares, the wall time includes waiting for a core), peak RSS, engine steps, request
+throughput on the model clock, and sequence-steps (a sequence's row in a step) per wall
+second of the replay; then, per configuration, the wall time of the largest size over the one
+before (linear: the sizes' ratio).
+
+The arena (``--num-blocks 4096`` of 16 slots) holds ``max_num_seqs`` (32) sequences of
+``max_model_len`` (2048) even rounded up to a buddy allocator's powers of two, so requests
+queue for a place in the batch rather than preempt each other. Arrivals come at
+``--rate 40`` requests/s (mooncake_like: sessions/s), at least four times what the tiny
+model's profile serves (about 10 short requests/s): the waiting queue grows to most of the
+trace, as in a saturated replay. A cell that takes longer than ``--timeout`` seconds is
+reported as ``timeout``. Trace options name ``conf/trace/`` groups; ``shared_prefix`` is
+sized by its users (4 system prompts x size/4 users), any other by ``trace.num_requests``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness.bench._components import ALLOCATORS, compose_config, options
+from harness.bench._table import format_table
+
+PROG = "python -m harness.bench scale"
+PROFILE = "results/baselines/profile-llama-tiny.json"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def trace_overrides(trace: str, size: int, rate: float) -> list[str]:
+    """The ``trace=`` option sized to ``size`` requests at ``rate`` requests/s."""
+    if trace == "shared_prefix":
+        return [f"trace={trace}", f"trace.users_per_prompt={size // 4}", f"trace.rate={rate}"]
+    return [f"trace={trace}", f"trace.num_requests={size}", f"trace.rate={rate}"]
+
+
+def cell_overrides(cell: dict, num_blocks: int) -> list[str]:
+    """A cell's kvbench overrides: its trace, allocator and scheduler on the model clock."""
+    return [
+        "engine.clock=model",
+        f"engine.profile={REPO / PROFILE}",
+        f"engine.num_blocks={num_blocks}",
+        "progress=false",
+        f"allocator={cell['allocator']}",
+        f"scheduler={cell['scheduler']}",
+        *trace_overrides(cell["trace"], cell["size"], cell["rate"]),
+    ]
+
+
+def run_cell(overrides: list[str], out: Path) -> dict:
+    """One kvbench ``run`` in this process: its figures and this process's peak RSS."""
+    import pyarrow.parquet as pq
+
+    from harness.analysis.results import STEPS_FILE
+    from harness.cli.run import run
+
+    cfg = compose_config(overrides)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    summary = run(cfg, out)
+    wall = time.perf_counter() - started
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime
+    rss = usage.ru_maxrss  # KiB on Linux, bytes on macOS
+    steps = pq.read_table(out / STEPS_FILE, columns=["batch_size"]).column(0)
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "replay": summary["wall_time"],
+        "rss_mib": rss / (2**20 if sys.platform == "darwin" else 2**10),
+        "steps": summary["num_steps"],
+        "seq_steps": int(steps.to_numpy().sum()),
+        "throughput": summary["request_throughput"],
+        "completed": summary["completed"],
+    }
+
+
+def measure(cell: dict, num_blocks: int, timeout: float, out: Path) -> dict:
+    """Run one cell in a subprocess; its figures, or ``{"error": "timeout" | message}``."""
+    cmd = [sys.executable, "-m", "harness.bench.scale", "--cell", json.dumps(cell)]
+    cmd += ["--num-blocks", str(num_blocks), "--out", str(out)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"error": "timeout"}
+    if done.returncode:
+        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def format_cells(rows: list[dict]) -> str:
+    """One line per cell."""
+    header = ["trace", "allocator", "scheduler", "requests", "wall s", "CPU s", "peak RSS MiB",
+              "steps", "req/s (model)", "seq-steps/s"]  # fmt: skip
+    lines = []
+    for r in rows:
+        got = r["got"]
+        cells = [r["trace"], r["allocator"], r["scheduler"], f"{r['size']:,}"]
+        if "error" in got:
+            cells += [got["error"], "", "", "", "", ""]
+        else:
+            rate = got["seq_steps"] / got["replay"] if got["replay"] else float("nan")
+            cells += [f"{got['wall']:.1f}", f"{got['cpu']:.1f}", f"{got['rss_mib']:.0f}",
+                      f"{got['steps']:,}",
+                      f"{got['throughput']:.2f}", f"{rate:,.0f}"]  # fmt: skip
+        lines.append(cells)
+    return format_table(header, lines)
+
+
+def format_ratios(rows: list[dict], sizes: list[int]) -> str:
+    """Per configuration, wall time at the largest size over the one before it."""
+    if len(sizes) < 2:
+        return ""
+    big, small = sizes[-1], sizes[-2]
+    wall = {(r["trace"], r["allocator"], r["scheduler"], r["size"]): r["got"].get("wall")
+            for r in rows}  # fmt: skip
+    ratio = f"wall {big:,} / {small:,} (linear: {big / small:g})"
+    header = ["trace", "allocator", "scheduler", ratio]
+    lines = []
+    for trace, alloc, sched, size in wall:
+        if size != big:
+            continue
+        a, b = wall[trace, alloc, sched, big], wall.get((trace, alloc, sched, small))
+        lines.append([trace, alloc, sched, f"{a / b:.1f}x" if a and b else "n/a"])
+    return format_table(header, lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1000,10000,100000", help="requests per run")
+    parser.add_argument("--allocators", default=",".join(ALLOCATORS),
+                        help="conf/allocator options, comma-separated")  # fmt: skip
+    parser.add_argument("--schedulers", default="fcfs,chunked_prefill",
+                        help="conf/scheduler options, comma-separated")  # fmt: skip
+    parser.add_argument("--traces", default="azure_like,mooncake_like",
+                        help="conf/trace options, comma-separated")  # fmt: skip
+    parser.add_argument("--rate", type=float, default=40.0, help="arrivals per second")
+    parser.add_argument("--num-blocks", type=int, default=4096, help="KV arena blocks (of 16)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds a cell may run before it counts as a timeout")  # fmt: skip
+    parser.add_argument("--out", help="folder for the runs (default: a temporary one)")
+    parser.add_argument("--cell", help=argparse.SUPPRESS)  # the subprocess: one cell
+    args = parser.parse_args(argv)
+    if args.cell:
+        cell = json.loads(args.cell)
+        print(json.dumps(run_cell(cell_overrides(cell, args.num_blocks), Path(args.out))))
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
+    groups = {"allocator": args.allocators, "scheduler": args.schedulers, "trace": args.traces}
+    chosen = {group: names.split(",") for group, names in groups.items()}
+    for group, names in chosen.items():
+        unknown = [n for n in names if n not in options(group)]
+        if unknown:
+            parser.error(f"--{group}s: unknown {unknown}; choose from {', '.join(options(group))}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.out or tmp)
+        for size in sizes:
+            for trace in chosen["trace"]:
+                for allocator in chosen["allocator"]:
+                    for scheduler in chosen["scheduler"]:
+                        cell = {"trace": trace, "allocator": allocator, "scheduler": scheduler,
+                                "size": size, "rate": args.rate}  # fmt: skip
+                        folder = out / "-".join(str(v) for v in cell.values())
+                        got = measure(cell, args.num_blocks, args.timeout, folder)
+                        if not args.out:  # a 100k-request run's tables take ~100 MB
+                            shutil.rmtree(folder, ignore_errors=True)
+                        rows.append(cell | {"got": got})
+                        print(" ".join(format_cells(rows[-1:]).splitlines()[-1].split()),
+                              flush=True)  # fmt: skip
+    print(f"\nmodel clock ({PROFILE}), {args.num_blocks} blocks, rate {args.rate:g}/s")
+    print(format_cells(rows))
+    if ratios := format_ratios(rows, sizes):
+        print()
+        print(ratios)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -17,9 +17,11 @@ from harness.cli.run import CONFIG_DIR, run
 from harness.costmodel.profile import fingerprint, load
 from harness.platform.models import random_model
 
+# 9 decode cells: each one prefill step whatever the load (every request at t=0), so the
+# prefill kind has its 8 steps; the mixed cell's steps depend on timing, its kind's count too.
 SMALL_GRID = (
-    "calibrate.batches=[1,2]",
-    "calibrate.contexts=[16,48]",
+    "calibrate.batches=[1,2,4]",
+    "calibrate.contexts=[16,40,64]",
     "calibrate.decode_tokens=12",
     "calibrate.chunks=[16]",
     "calibrate.mixed_requests=6",

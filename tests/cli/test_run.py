@@ -149,7 +149,7 @@ def test_ctrl_c_says_in_one_line_what_was_kept_and_exits_130(tmp_path: Path) -> 
 
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
-    args = [*TINY, "trace.num_requests=2000", "warmup=0"]  # still replaying when interrupted
+    args = [*TINY, "trace.num_requests=20000", "warmup=0"]  # still replaying when interrupted
     proc = subprocess.Popen(
         [sys.executable, "-m", "harness.cli.run", *args],
         cwd=tmp_path,
@@ -160,7 +160,7 @@ def test_ctrl_c_says_in_one_line_what_was_kept_and_exits_130(tmp_path: Path) -> 
     )
     try:
         for line in proc.stdout:  # Hydra's log, flushed line by line
-            if "replaying 2000 requests" in line:
+            if "replaying 20000 requests" in line:
                 break
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)

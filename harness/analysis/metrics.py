@@ -97,7 +97,6 @@ FINISH_REASONS = ("stop", "length", "abort")
 # (model: a cost profile's prices, harness/engine/modelled.py). Kept here too so reading
 # results never imports the engine, and MLX; tests/analysis/test_metrics.py checks both.
 CLOCKS = ("virtual", "wall", "model")
-MODELLED_CLOCKS = ("model",)
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 STATS = ("mean", "p50", "p90", "p99")

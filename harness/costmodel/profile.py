@@ -105,7 +105,6 @@ _HOW = {
     "prefill": "kvbench-calibrate runs prefill steps by default",
     "mixed": "kvbench-calibrate runs mixed steps by default",
     "verify": "kvbench-calibrate speculative=draft",
-    "idle": "kvbench-calibrate runs block moves by default",
 }
 
 

@@ -10,7 +10,6 @@ import pytest
 
 from harness.analysis.metrics import (
     CLOCKS,
-    MODELLED_CLOCKS,
     REQUEST_COLUMNS,
     STEP_COLUMNS,
     SUMMARY_KEYS,
@@ -416,4 +415,3 @@ def test_completed_requests_counts_requests_not_their_completions():
 
 def test_the_clock_names_are_the_engines() -> None:
     assert set(CLOCKS) == {*ENGINE_CLOCKS, ModelClock.name}
-    assert set(MODELLED_CLOCKS) == {ModelClock.name}

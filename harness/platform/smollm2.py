@@ -126,6 +126,13 @@ def load_smollm2(weights: str = "auto", cache: str | None = None) -> LoadedModel
     return loaded
 
 
+def tokenizer():
+    """SmolLM2's tokenizer alone, built from the GGUF's metadata (no conversion): what a
+    trace of chat prompts is tokenized with (harness/workload/chat.py)."""
+    _, meta = mx.load(str(gguf_path()), return_metadata=True)
+    return _tokenizer(meta)
+
+
 def convert(source: Path, folder: Path, weights: str) -> None:
     """Write ``source`` (a llama GGUF) into ``folder`` in mlx_lm's format (module docstring)."""
     tensors, meta = mx.load(str(source), return_metadata=True)

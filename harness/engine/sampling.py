@@ -336,7 +336,8 @@ def _top_k_top_p(probs, top_k: np.ndarray, top_p: np.ndarray):
     if xp is mx or 2 * size > vocab:
         return _apply_edges(xp, probs, *_sorted_edges(xp, probs, top_k, top_p))
     head = np.sort(np.partition(probs, vocab - size, axis=-1)[:, vocab - size :], axis=-1)
-    kth, cutoff, reached = _edges(np, head[:, ::-1], top_k, top_p)
+    kth, cutoff, below = _edges(np, head[:, ::-1], top_k, top_p)
+    reached = below[:, 0] < size  # the nucleus ends within the head
     unseen = head[:, :1]  # the largest value left out is at most the head's smallest
     negligible = probs.max(axis=-1, keepdims=True) * (np.finfo(probs.dtype).eps / 4)
     settled = (top_p == 1.0) | (reached & (unseen < np.maximum(kth, negligible))[:, 0])
@@ -355,7 +356,8 @@ def _sorted_edges(xp, probs, top_k: np.ndarray, top_p: np.ndarray):
 def _edges(xp, desc, top_k: np.ndarray, top_p: np.ndarray):
     """Per row [rows, 1], from ``desc``, the row's values sorted in descending order or the
     head of them (at least ``top_k`` long): the kth value (0 without top-k), top-p's cutoff
-    (0 without top-p) and whether the running mass reaches top-p within ``desc``."""
+    (0 without top-p) and how many values of ``desc`` run below top-p's mass (the
+    nucleus ends at the next one)."""
     k = _indices(xp, np.maximum(top_k, 1) - 1)
     kth = xp.where(_indices(xp, top_k) > 0, xp.take_along_axis(desc, k, axis=-1), 0.0)
     desc = xp.where(desc < kth, 0.0, desc)
@@ -367,7 +369,7 @@ def _edges(xp, desc, top_k: np.ndarray, top_p: np.ndarray):
     # Only rows that filter: with top_p = 1 a tail too small to move the float total
     # would be cut, and a row's tokens would depend on what it is batched with.
     cutoff = xp.where(p < 1.0, cutoff, 0.0)
-    return kth, cutoff, np.asarray(below)[:, 0] < desc.shape[-1]
+    return kth, cutoff, below
 
 
 def _apply_edges(xp, probs, kth, cutoff):

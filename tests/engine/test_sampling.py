@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 import harness  # noqa: F401  (BLAS switch before mlx)
+from harness.engine import sampling
 from harness.engine.sampling import (
     SampleRow,
     SamplingParams,
@@ -18,6 +20,7 @@ from harness.engine.sampling import (
     sample,
 )
 
+SORTED_EDGES = sampling._sorted_edges
 CHI2_999_DOF3 = 16.266  # upper 0.1 % point: a correct sampler fails 1 run in 1000
 
 
@@ -134,3 +137,57 @@ def test_draws_follow_the_filtered_distribution():
     assert counts[p == 0].sum() == 0
     expected = n * p[p > 0]
     assert ((counts[p > 0] - expected) ** 2 / expected).sum() < CHI2_999_DOF3
+
+
+def _peaked_and_flat(vocab: int) -> np.ndarray:
+    """Rows of logits: peaked (a few tokens on top, the rest 30 below: too small to move a
+    float32 sum), peaked with a tail that does add up, flat (normal, scale 3), and ties."""
+    rng = np.random.default_rng(2)
+    peaked = rng.normal(size=(3, vocab)) - 30
+    peaked[:, :5] = [[9, 8, 8, 7, 3], [9, 9, 9, 9, 9], [9, 2, 1, 0, 0]]
+    tail = rng.normal(size=(2, vocab)) * 0.5
+    tail[:, 0] = 6
+    flat = rng.normal(size=(3, vocab)) * 3
+    ties = np.zeros((2, vocab))
+    ties[:, :100] = 1.0
+    return np.concatenate([peaked, tail, flat, ties]).astype(np.float32)
+
+
+CANDIDATE_CASES = [
+    SamplingParams(temperature=0.8, top_p=0.9),
+    SamplingParams(temperature=1.0, top_p=0.999),
+    SamplingParams(temperature=0.8, top_k=50),
+    SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+    SamplingParams(temperature=0.7, top_k=300, top_p=0.5, min_p=0.01),
+]
+
+
+@pytest.mark.parametrize(
+    "params", CANDIDATE_CASES, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}"
+)
+def test_candidates_give_the_full_sorts_probabilities_and_tokens(params, monkeypatch):
+    """Top-k and top-p from each row's 64 most probable tokens (sampling.CANDIDATES) leave
+    exactly what the full sort of the row leaves, on peaked rows (settled by the candidates)
+    and flat ones (the full sort's fallback); the draws are the dense cumulative sum's."""
+    vocab = 2048
+    logits = _peaked_and_flat(vocab)
+    batch = [params] * len(logits)
+    monkeypatch.setattr(sampling, "CANDIDATES", vocab)  # more than half the vocab: full sort
+    full = filtered(logits, batch)
+    monkeypatch.setattr(sampling, "CANDIDATES", 64)
+    fallback_rows = []
+
+    def sorted_edges(xp, probs, *args):
+        fallback_rows.append(len(probs))
+        return SORTED_EDGES(xp, probs, *args)
+
+    monkeypatch.setattr(sampling, "_sorted_edges", sorted_edges)
+    fast = filtered(logits, batch)
+    np.testing.assert_array_equal(fast, full)
+    if params.top_p < 1:  # flat rows do not settle among 64 candidates; peaked ones do
+        assert 0 < sum(fallback_rows) < len(logits)
+    assert (fast > 0).sum(axis=-1).min() >= 1
+    for u in np.random.default_rng(3).random((20, len(logits))).astype(np.float32):
+        cum = np.cumsum(full, axis=-1)
+        dense = np.minimum((cum <= u[:, None] * cum[:, -1:]).sum(axis=-1), vocab - 1)
+        assert draw_tokens(fast, u).tolist() == dense.tolist()

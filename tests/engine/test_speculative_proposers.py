@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import partial
 
 import hydra.utils
+import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import ALLOCATORS
@@ -21,14 +22,14 @@ from allocators.free_list import FreeListAllocator
 from harness.engine import build_engine
 from harness.engine.ngram import NGramProposer, ngram_lookup
 from harness.engine.request import Sequence
-from harness.engine.sampling import SampleRow, SamplingParams
+from harness.engine.sampling import SampleRow, SamplingParams, adjust_logits, filtered_probs
 from harness.engine.speculative import LayerSkip, NGram, Proposal, Speculation, verify
-from harness.platform.models import prefix_model
+from harness.platform.models import prefix_model, random_model
 from schedulers.fcfs import FCFSScheduler
 from schedulers.output import Scheduled
 
 # Upper 0.1 % points of the chi-square distribution (as in test_speculative.py).
-CHI2_999 = {7: 24.322}
+CHI2_999 = {7: 24.322, 9: 27.877}
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 # Patterns the prompt repeats, then a prompt that does not repeat.
 PROMPTS = [[5, 6, 7, 8] * 6, [1, 2, 3] * 10 + [9], [40, 41] * 4 + [7, 8, 9], list(range(10, 40))]
@@ -210,3 +211,65 @@ def test_the_config_options_build_their_proposer(compose_cfg, model, plain, opti
     assert isinstance(speculative, kind)
     engine = engine_with(model, speculative)
     assert tokens(engine.generate(PROMPTS, GREEDY)) == plain
+
+
+@pytest.mark.slow
+def test_ngram_sampling_follows_the_target_distribution():
+    """Toy vocabulary of 32 at a low temperature: the random model's outputs loop, so prompt
+    lookup finds drafts and the target keeps some and rejects others. Each draft judged is
+    kept with probability p(x) under the target's exact (filtered, penalised) distribution at
+    its position, and each emitted token's randomised probability integral transform is
+    uniform (resampling from p without x adds no bias)."""
+    target = random_model("llama", "tiny", seed=5, vocab_size=32)
+    engine = build_engine(
+        target,
+        FreeListAllocator,
+        partial(FCFSScheduler, max_num_seqs=64),
+        num_blocks=256,
+        speculative=NGram(3, prompt_lookup_max=2, prompt_lookup_min=1),
+    )
+    proposed, propose = [], engine.proposer.propose
+
+    def keep(work, row_for):
+        proposals = propose(work, row_for)
+        proposed.extend(
+            (s.seq.request_id, s.seq.num_tokens, p.tokens)
+            for s, p in zip(work, proposals, strict=True)
+        )
+        return proposals
+
+    engine.proposer.propose = keep
+    params = [
+        SamplingParams(temperature=0.3, top_k=12, repetition_penalty=1.05, max_tokens=16, seed=s)
+        for s in range(200)
+    ]
+    prompt = [3, 1, 4, 1, 5]
+    outputs = tokens(engine.generate([prompt] * len(params), params))
+    seqs = [prompt + out for out in outputs]
+    logits = np.array(target.model(mx.array(seqs)).astype(mx.float32))
+
+    def p(b: int, pos: int) -> np.ndarray:  # the target's law of seqs[b][pos]
+        row = SampleRow(params[b], seqs[b][:pos], len(prompt), None)
+        probs = filtered_probs(adjust_logits(logits[b, pos - 1], row), params[b])
+        return probs / probs.sum()
+
+    kept = expected = variance = 0.0
+    for request_id, start, drafts in proposed:
+        b = int(request_id.removeprefix("gen-"))
+        for j, x in enumerate(drafts):  # judged up to the first rejection
+            px = p(b, start + j)[x]
+            kept += seqs[b][start + j] == x
+            expected, variance = expected + px, variance + px * (1 - px)
+            if seqs[b][start + j] != x:
+                break
+    assert variance > 100 and 300 < kept < sum(len(d) for _, _, d in proposed) / 2
+    assert abs(kept - expected) < 4 * np.sqrt(variance), (kept, expected)
+    rng = np.random.default_rng(7)
+    pit = []
+    for b, out in enumerate(outputs):
+        for i in range(1, len(out)):  # every token after the first came from a verification
+            probs = p(b, len(prompt) + i)
+            pit.append(probs[: out[i]].sum() + rng.random() * probs[out[i]])
+    counts = np.histogram(pit, bins=10, range=(0, 1))[0]
+    uniform = np.full(10, len(pit) / 10)
+    assert ((counts - uniform) ** 2 / uniform).sum() < CHI2_999[9]

@@ -19,6 +19,7 @@ from conftest import ALLOCATORS
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator
+from harness.cli.config import validate
 from harness.engine import build_engine
 from harness.engine.ngram import NGramProposer, ngram_lookup
 from harness.engine.request import Sequence
@@ -207,6 +208,7 @@ def test_unset_lookup_bounds_resolve_as_vllms():
 @pytest.mark.parametrize("option, kind", [("ngram", NGram), ("layerskip", LayerSkip)])
 def test_the_config_options_build_their_proposer(compose_cfg, model, plain, option, kind):
     cfg = compose_cfg([f"speculative={option}"])
+    validate(cfg)
     speculative = hydra.utils.instantiate(cfg.speculative)
     assert isinstance(speculative, kind)
     engine = engine_with(model, speculative)

@@ -273,7 +273,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument(
         "--drafts",
         default=None,
-        help=f"proposers, comma-separated, of {','.join(DRAFTS)} (default: layerskip,ngram "
+        help=f"proposers, comma-separated, of {','.join(DRAFTS)} (default: ngram,layerskip "
         "on smollm2, all four on a random model)",
     )
     ap.add_argument(
@@ -291,7 +291,7 @@ def main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     model = args.model or ("smollm2" if smollm2_installed() else "random")
     ks = [int(k) for k in args.ks.split(",")]
-    default = "layerskip,ngram" if model == "smollm2" else ",".join(DRAFTS)
+    default = "ngram,layerskip" if model == "smollm2" else ",".join(DRAFTS)
     chosen = (args.drafts or default).split(",")
     if unknown := [d for d in chosen if d not in DRAFTS]:
         ap.error(f"--drafts: unknown {', '.join(unknown)}; choose from {', '.join(DRAFTS)}")

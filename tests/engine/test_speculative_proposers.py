@@ -275,3 +275,24 @@ def test_ngram_sampling_follows_the_target_distribution():
     counts = np.histogram(pit, bins=10, range=(0, 1))[0]
     uniform = np.full(10, len(pit) / 10)
     assert ((counts - uniform) ** 2 / uniform).sum() < CHI2_999[9]
+
+
+@pytest.mark.slow
+def test_prompt_lookup_drafts_a_trained_models_copy_of_its_prompt(smollm2):
+    """SmolLM2-135M asked to repeat a paragraph copies it: prompt lookup proposes from the
+    prompt and the target keeps most of it, with the tokens of plain decoding."""
+    paragraph = (
+        "The committee met on Tuesday to review the budget for the new library. After a long "
+        "discussion, the members agreed to fund the children's reading room."
+    )
+    request = f"Repeat the following paragraph exactly, word for word:\n\n{paragraph}"
+    chat = [{"role": "user", "content": request}]
+    prompt = list(smollm2.tokenizer.apply_chat_template(chat, add_generation_prompt=True))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sized = {"block_size": 16, "num_blocks": 32}
+    plain = tokens(engine_with(smollm2, None, **sized).generate([prompt], params))
+    lookup = NGram(4, prompt_lookup_max=4, prompt_lookup_min=2)
+    engine = engine_with(smollm2, lookup, **sized)
+    assert tokens(engine.generate([prompt], params)) == plain
+    (row,) = engine.recorder.requests
+    assert row["spec_accepted"] >= 12 and row["spec_accepted"] / row["spec_proposed"] > 0.5

@@ -137,6 +137,7 @@ class Recorder:
         bs = blocks.block_size
         row.update(
             prefill_tokens=prefill,
+            decode_tokens=sum(new.values()) - prefill,
             num_waiting=stats.num_waiting,
             num_running=len(stats.running),
             num_swapped=stats.num_swapped,
@@ -190,7 +191,6 @@ class Recorder:
             forward_time=forward_time,
             build_time=build_time,
             batch_size=len(plan.scheduled),
-            decode_tokens=plan.num_batched_tokens - row["prefill_tokens"],
             preempted=len(plan.preempted),
             swap_out_blocks=sum(len(s.blocks) for s in plan.swapped_out),
             swap_in_blocks=sum(len(s.blocks) for s in plan.swapped_in),

@@ -98,6 +98,10 @@ def test_ngram_keeps_no_draft_kv_and_runs_no_draft(model):
     steps = engine.recorder.steps
     assert sum(r["spec_verifications"] for r in steps) > 0
     assert all(r["draft_blocks_used"] == r["draft_rounds"] == r["draft_tokens"] == 0 for r in steps)
+    # Tokens fed, not slots reserved: each decode row's token plus the drafts it verified.
+    decoding = [r for r in steps if r["batch_size"] and not r["prefill_tokens"]]
+    assert all(r["decode_tokens"] == r["batch_size"] + r["spec_proposed"] for r in decoding)
+    assert all(r["query_tokens_padded"] >= r["decode_tokens"] for r in decoding)
 
 
 def test_an_empty_proposal_is_a_plain_decode(model, plain):

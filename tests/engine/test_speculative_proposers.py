@@ -115,6 +115,25 @@ def test_an_empty_proposal_is_a_plain_decode(model, plain):
     assert sum(r["spec_proposed"] for r in steps) == 0
 
 
+def test_ngram_with_penalties_and_logprobs_matches_plain_decoding(model):
+    """Penalised greedy rows verify prompt-lookup drafts against the penalised target; each
+    emitted token carries the target's logprobs at its position, as plain decoding."""
+    params = SamplingParams(
+        temperature=0, max_tokens=30, repetition_penalty=1.1, logprobs=2, ignore_eos=True
+    )
+    plain = engine_with(model, None).generate(PROMPTS, params)
+    engine = engine_with(model, NGram(4, prompt_lookup_max=3, prompt_lookup_min=1))
+    spec = engine.generate(PROMPTS, params)
+    assert tokens(spec) == tokens(plain)
+    assert sum(r["spec_accepted"] for r in engine.recorder.requests) > 0
+    for s, p in zip(spec, plain, strict=True):
+        for a, b in zip(s.outputs[0].logprobs, p.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert np.allclose(
+                [x.logprob for x in a.values()], [x.logprob for x in b.values()], atol=1e-4
+            )
+
+
 def test_ngram_sampling_drafts_are_point_masses(model):
     seq = Sequence("a", [1, 2, 3, 1, 2], SamplingParams(temperature=1.0, seed=0), 0.0)
     proposer = NGramProposer(NGram(3, prompt_lookup_max=2), model.vocab_size)

@@ -22,9 +22,10 @@ Candidates sit in a heap whose entries go stale instead of being removed: an ent
 counts only while its node still carries the entry's key (a match that holds the
 node again, or its eviction, clears it). A touch is O(1), an eviction O(log n)
 amortised (vLLM v1 reaches O(1) for LRU alone with a linked free queue; a heap
-serves every policy). A key is one int, the policy's value then the block id (ties
-go to the lower block), so the heap holds no Python container the garbage collector
-would have to walk.
+serves every policy). A key is one int, the policy's value then the block id in as many
+low bits as the arena's ids need (ties go to the lower block): the heap holds no Python
+container the garbage collector would have to walk, and its keys stay small ints, cheap
+to compare, while the clock is young.
 
 Invariant that makes every cached block evictable: the indexed blocks of a table
 are a prefix of it and a path from the root, so a held node's ancestors are held
@@ -81,15 +82,14 @@ class RadixState(SeqState):
 
 
 Eviction = Literal["lru", "lfu", "fifo", "mru", "filo", "slru"]
-_FIELD = 40  # bits for a clock value or a block id inside a heap key
-_BLOCK = (1 << _FIELD) - 1
+_CLOCK = 40  # bits for a clock value inside a policy's value
 EVICTION: dict[str, Callable[[_Node], int]] = {
     "lru": lambda n: n.last_access,
-    "lfu": lambda n: n.hits << _FIELD | n.last_access,
+    "lfu": lambda n: n.hits << _CLOCK | n.last_access,
     "fifo": lambda n: n.created,
     "mru": lambda n: -n.last_access,
     "filo": lambda n: -n.created,
-    "slru": lambda n: (n.hits >= 2) << _FIELD | n.last_access,
+    "slru": lambda n: (n.hits >= 2) << _CLOCK | n.last_access,
 }
 assert tuple(EVICTION) == get_args(Eviction)
 
@@ -111,6 +111,8 @@ class RadixAllocator(FreeListAllocator):
         self._nodes = [_Node(block) for block in range(num_blocks)]
         self._num_cached = 0  # indexed blocks nobody holds
         self._candidates: list[int] = []  # heap of keys of unreferenced leaves
+        self._block_bits = (num_blocks - 1).bit_length()  # a heap key's low bits: the block
+        self._block_mask = (1 << self._block_bits) - 1
         self._clock = 0
 
     def __deepcopy__(self, memo: dict) -> RadixAllocator:
@@ -261,33 +263,37 @@ class RadixAllocator(FreeListAllocator):
         if len(heap) > 2 * self._num_cached + 64:
             # Mostly stale entries: keep the live ones, O(n) now and then.
             nodes = self._nodes
-            heap[:] = [key for key in heap if nodes[key & _BLOCK].entry == key]
+            mask = self._block_mask
+            heap[:] = [key for key in heap if nodes[key & mask].entry == key]
             heapq.heapify(heap)
 
     def _push(self, node: _Node) -> None:
         """Make an unreferenced leaf an eviction candidate."""
-        node.entry = key = self._priority(node) << _FIELD | node.block
+        node.entry = key = self._priority(node) << self._block_bits | node.block
         heapq.heappush(self._candidates, key)
 
     def _refill(self, count: int) -> None:
         """Evict the leaves the policy ranks first until the free list holds ``count``."""
-        heap, free, ref, root = self._candidates, self._free, self._ref, self._root
-        nodes, priority, evicted = self._nodes, self._priority, 0
+        heap, free, nodes, evicted = self._candidates, self._free, self._nodes, 0
         while len(free) < count:
-            key = heapq.heappop(heap)
-            node = nodes[key & _BLOCK]
+            key = heap[0]
+            node = nodes[key & self._block_mask]
             if node.entry != key:
-                continue  # stale
+                heapq.heappop(heap)  # stale
+                continue
             node.entry = None
             parent = node.parent
             del parent.children[node.hkey]
             node.parent = None
             free.append(node.block)
             evicted += 1
-            if parent is not root and not parent.children and not ref[parent.block]:
-                # A cached parent is now a leaf: a candidate (``_push``, inlined).
-                parent.entry = key = priority(parent) << _FIELD | parent.block
-                heapq.heappush(heap, key)
+            if parent is not self._root and not parent.children and not self._ref[parent.block]:
+                # A cached parent is now a leaf: a candidate in the evicted leaf's place
+                # (``_push``, inlined; one sift instead of a pop and a push).
+                parent.entry = key = self._priority(parent) << self._block_bits | parent.block
+                heapq.heapreplace(heap, key)
+            else:
+                heapq.heappop(heap)
         self._num_cached -= evicted
         self._evictions += evicted
 
@@ -302,7 +308,8 @@ class RadixAllocator(FreeListAllocator):
 
     def _check_placement(self) -> None:
         super()._check_placement()
-        live = {key & _BLOCK for key in self._candidates if self._nodes[key & _BLOCK].entry == key}
+        mask = self._block_mask
+        live = {key & mask for key in self._candidates if self._nodes[key & mask].entry == key}
         leaves = {b for b in self._cached_blocks() if not self._nodes[b].children}
         assert live == leaves, f"eviction candidates {sorted(live)} != cached leaves"
         for node in self._indexed():

@@ -130,7 +130,7 @@ def run(
     started = time.perf_counter()
     try:
         log.info("replaying %d requests", len(trace))  # in the try: an interrupt keeps rows
-        replay(engine, trace, sampling=sampling, progress=cfg.progress)
+        sent = replay(engine, trace, sampling=sampling, progress=cfg.progress)
     except BaseException as e:
         log.error(
             "replay %s: writing the %d finished requests' rows to %s",
@@ -149,8 +149,9 @@ def run(
     summary.update(
         wall_time=wall_time,
         num_requests=len(trace),
-        max_prefix_hit_rate=trace.metadata.get("max_prefix_hit_rate"),
-        max_prefix_hit_rate_blocks=max_prefix_hit_rate(trace.requests, block_size),
+        # over the prompts as sent: a follow-up turn's holds the turns and answers before it
+        max_prefix_hit_rate=max_prefix_hit_rate(sent.requests, answers=sent.answers),
+        max_prefix_hit_rate_blocks=max_prefix_hit_rate(sent.requests, block_size, sent.answers),
         warmup_requests=min(cfg.warmup, len(trace)) if engine.clock.measures else 0,
         profile=_profile(engine),
         model_name=model.name,
@@ -194,6 +195,11 @@ def check(cfg: DictConfig) -> tuple[Trace, Callable[..., SamplingParams]]:
     trace = _build(cfg.trace.generator)
     if not len(trace):
         raise ValueError(f"the trace has no requests ({_empty_trace_knobs(cfg)}): nothing to run")
+    if cfg.engine.get("clock") == "model" and not all(r.ignore_eos for r in trace):
+        raise ValueError(
+            "the trace lets the model's EOS end its answers (a real model's own lengths), and "
+            "engine.clock=model runs no model: replay it with engine.clock=virtual"
+        )
     sampling = _build(cfg.sampling)
     try:  # bad values fail now, naming the key (min_tokens against the shortest request)
         sampling(max_tokens=min(r.max_tokens for r in trace), ignore_eos=True)

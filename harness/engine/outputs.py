@@ -142,6 +142,7 @@ class Outputs:
             finished,
             abort_reason=next((s.abort_reason for s in group if s.abort_reason), None),
             prompt_logprobs=list(first.prompt_logprobs) if prompt else None,
+            finished_time=max(s.finish_time for s in group) if finished else None,
         )
 
     def _completion(self, seq: Seq) -> CompletionOutput:

@@ -109,3 +109,6 @@ class RequestOutput:
     finished: bool
     abort_reason: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # When the last completion finished, on the engine's clock (vLLM's
+    # RequestMetrics.finished_time); None while running.
+    finished_time: float | None = None

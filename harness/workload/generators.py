@@ -42,13 +42,18 @@ def _make_trace(
     seed: int,
     vocab_size: int,
 ) -> Trace:
-    ordered = tuple(sorted(requests, key=lambda r: r.arrival_time))  # stable: ties keep order
+    # by arrival (stable: ties keep order); follow-up turns after, in the order given, their
+    # arrival_time a think time from the end of the turn before (TraceRequest.after)
+    firsts = sorted((r for r in requests if r.after is None), key=lambda r: r.arrival_time)
+    ordered = tuple(firsts + [r for r in requests if r.after is not None])
+    follow_ups = len(ordered) > len(firsts)
     metadata = {
         "generator": generator,
         "parameters": params,
         "seed": seed,
         "vocab_size": vocab_size,
-        "max_prefix_hit_rate": max_prefix_hit_rate(ordered),
+        # a follow-up's prompt holds answers known only once sent: the run's summary has it
+        "max_prefix_hit_rate": None if follow_ups else max_prefix_hit_rate(ordered),
     }
     return Trace(ordered, metadata)
 

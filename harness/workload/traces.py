@@ -12,7 +12,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,15 @@ class TraceError(ValueError):
 class TraceRequest:
     """One request: prompt tokens, arrival (s from trace start) and output length.
 
-    The engine runs with ``ignore_eos``, so ``max_tokens`` is exactly the output length.
+    With ``ignore_eos`` (the default) ``max_tokens`` is exactly the output length; without,
+    the model's EOS ends the answer and ``max_tokens`` caps it (a real model's own lengths).
     SLOs are in seconds; ``None`` means the request has no such objective.
+
+    A follow-up turn names the request it continues in ``after``: it is sent
+    ``arrival_time`` seconds (think time) after that request finishes, and its prompt is that
+    request's prompt, its answer (the tokens the model generated), then ``prompt_token_ids``
+    (the new user turn). The replay is closed-loop for these: who arrives when depends on
+    the engine (harness/cli/replay.py).
     """
 
     request_id: str
@@ -40,6 +47,8 @@ class TraceRequest:
     priority: int = 0
     ttft_slo: float | None = None
     tpot_slo: float | None = None
+    ignore_eos: bool = True
+    after: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,32 +66,47 @@ class Trace:
         return iter(self.requests)
 
 
-def max_prefix_hit_rate(requests: Iterable[TraceRequest], block_size: int | None = None) -> float:
+def max_prefix_hit_rate(
+    requests: Iterable[TraceRequest],
+    block_size: int | None = None,
+    answers: Mapping[str, tuple[int, ...]] | None = None,
+) -> float:
     """Upper bound on the prefix-cache hit rate of a trace replayed in its order.
 
     Each prompt can hit at most its longest common prefix with an earlier prompt (capped at
     len-1: the last token is always computed, as in ``BlockAllocator.match_prefix``), rounded
-    down to full blocks if ``block_size`` is given. Returns hits / total prompt tokens (0.0 for
-    an empty trace).
+    down to full blocks if ``block_size`` is given. ``answers`` (request id -> the tokens it
+    generated) adds an earlier request's prompt and answer as one more sequence a later
+    prompt can share: a follow-up turn's prompt holds the turn before and its answer, whose
+    KV a cache that keeps generated tokens (radix) holds. Returns hits / total prompt tokens
+    (0.0 for an empty trace).
 
-    Among a set of prompts, the one sharing the longest prefix with a prompt is a neighbour
-    of it in sorted order. So the prompts are sorted once, and each is compared with the
-    nearest earlier prompt on either side of it in that order (``_nearest_earlier``):
+    Among a set of sequences, the one sharing the longest prefix with a prompt is a neighbour
+    of it in sorted order. So the sequences are sorted once, and each prompt is compared with
+    the nearest earlier sequence on either side of it in that order (``_nearest_earlier``):
     O(n log n) comparisons and no memory beyond the prompts, where a token trie took a dict
     per token (~10^8 of them for 100,000 prompts of 1,000 tokens).
     """
-    prompts = [req.prompt_token_ids for req in requests]
-    order = sorted(range(len(prompts)), key=prompts.__getitem__)  # stable: ties by arrival
+    reqs = list(requests)
+    answers = answers or {}
+    # request i's prompt is sequence 2i; its prompt and answer 2i + 1, earlier than 2j, j > i
+    seqs = {2 * i: r.prompt_token_ids for i, r in enumerate(reqs)}
+    for i, r in enumerate(reqs):
+        if answers.get(r.request_id):
+            seqs[2 * i + 1] = r.prompt_token_ids + answers[r.request_id]
+    order = sorted(seqs, key=seqs.__getitem__)  # stable: ties by arrival
     before = _nearest_earlier(order)
     after = _nearest_earlier(order[::-1])[::-1]
     hits = 0
     for i, left, right in zip(order, before, after, strict=True):
-        ids = prompts[i]
-        near = [prompts[j] for j in (left, right) if j is not None]
+        if i % 2:
+            continue  # a prompt and answer is only ever shared, never looked up
+        ids = seqs[i]
+        near = [seqs[j] for j in (left, right) if j is not None]
         common = max((_common_prefix(ids, other) for other in near), default=0)
         hit = min(common, len(ids) - 1)
         hits += hit - hit % block_size if block_size else hit
-    total = sum(map(len, prompts))
+    total = sum(len(r.prompt_token_ids) for r in reqs)
     return hits / total if total else 0.0
 
 
@@ -126,6 +150,8 @@ _SCHEMA = pa.schema(
         ("priority", pa.int64()),
         ("ttft_slo", pa.float64()),
         ("tpot_slo", pa.float64()),
+        ("ignore_eos", pa.bool_()),
+        ("after", pa.string()),
     ]
 )
 
@@ -174,6 +200,12 @@ def _parse(obj: Any, where: str) -> TraceRequest:
         slo = obj.get(name)
         if slo is not None and not (_is_number(slo) and slo > 0):
             raise fail(name, f"must be a number of seconds > 0 or null, got {slo!r}")
+    ignore_eos = obj.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise fail("ignore_eos", f"must be true, false or null, got {ignore_eos!r}")
+    after = obj.get("after")
+    if after is not None and (not isinstance(after, str) or not after):
+        raise fail("after", f"must be an earlier request's id or null, got {after!r}")
     return TraceRequest(
         obj["request_id"],
         float(arrival),
@@ -182,6 +214,8 @@ def _parse(obj: Any, where: str) -> TraceRequest:
         priority or 0,
         obj.get("ttft_slo"),
         obj.get("tpot_slo"),
+        ignore_eos is not False,
+        after,
     )
 
 
@@ -222,7 +256,8 @@ def load(path: str | os.PathLike) -> Trace:
     is recomputed from the requests, so it always describes what will be replayed. Requests
     must already be sorted by arrival: a replay must be exactly the file, so an unsorted file
     is an error naming the first out-of-order record rather than being silently reordered
-    (which would change who counts as earlier).
+    (which would change who counts as earlier). A follow-up turn (``after``) must come after
+    the request it continues; its ``arrival_time`` is a think time, outside that order.
     """
     path = Path(path)
     readers = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
@@ -232,6 +267,7 @@ def load(path: str | os.PathLike) -> Trace:
     if not isinstance(metadata, dict):
         raise TraceError(f"{path}: metadata must be an object, got {metadata!r}")
     requests: list[TraceRequest] = []
+    opened: list[TraceRequest] = []  # requests that are not follow-ups: sorted by arrival
     first_seen: dict[str, str] = {}
     for where, obj in records:
         req = _parse(obj, where)
@@ -240,12 +276,19 @@ def load(path: str | os.PathLike) -> Trace:
                 f"{where}: field 'request_id' {req.request_id!r} duplicates "
                 f"{first_seen[req.request_id]}; request ids must be unique"
             )
-        if requests and req.arrival_time < requests[-1].arrival_time:
+        if req.after is not None and req.after not in first_seen:
             raise TraceError(
-                f"{where}: field 'arrival_time' {req.arrival_time} is earlier than "
-                f"the previous request's {requests[-1].arrival_time}; sort the "
-                "file by arrival_time"
+                f"{where}: field 'after' {req.after!r} names no earlier request; a "
+                "follow-up turn comes after the request it continues"
             )
+        if req.after is None:
+            if opened and req.arrival_time < opened[-1].arrival_time:
+                raise TraceError(
+                    f"{where}: field 'arrival_time' {req.arrival_time} is earlier than "
+                    f"the previous request's {opened[-1].arrival_time}; sort the "
+                    "file by arrival_time"
+                )
+            opened.append(req)
         first_seen[req.request_id] = where
         requests.append(req)
     metadata["max_prefix_hit_rate"] = max_prefix_hit_rate(requests)

@@ -24,6 +24,7 @@ from harness.workload.distributions import (
 )
 from harness.workload.generators import multi_turn, shared_prefix, synthetic
 from harness.workload.traces import (
+    Trace,
     TraceError,
     TraceRequest,
     from_file,
@@ -200,6 +201,9 @@ GOOD = {"request_id": "a", "arrival_time": 0.0, "prompt_token_ids": [1, 2], "max
         ({"prompt_token_ids": [1, 2.5]}, r"field 'prompt_token_ids\[1\]' is 2.5"),
         ({"max_token": 3}, "field 'max_token' is unknown"),
         ({"ttft_slo": -1}, "field 'ttft_slo' must be a number of seconds > 0"),
+        ({"ignore_eos": "no"}, "field 'ignore_eos' must be true, false or null"),
+        ({"after": 3}, "field 'after' must be an earlier request's id or null"),
+        ({"after": "b"}, "field 'after' 'b' names no earlier request"),
     ],
 )
 def test_jsonl_errors_name_line_and_field(tmp_path, change, match):
@@ -252,3 +256,24 @@ def test_hand_written_file_without_header_gets_its_hit_rate(tmp_path):
     trace = load(path)
     assert [r.request_id for r in trace] == ["a", "b"]
     assert trace.metadata["max_prefix_hit_rate"] == pytest.approx(2 / 5)
+
+
+def test_follow_up_turns_round_trip_and_keep_their_place_after_the_turn_before(tmp_path):
+    first = TraceRequest("a", 5.0, (1, 2), 4, ignore_eos=False)
+    turn = TraceRequest("a-1", 0.5, (3,), 4, ignore_eos=False, after="a")  # a think time
+    other = TraceRequest("b", 6.0, (7, 8), 4)
+    trace = Trace((first, turn, other), {})
+    for suffix in (".jsonl", ".parquet"):
+        save(trace, tmp_path / f"t{suffix}")
+        assert load(tmp_path / f"t{suffix}").requests == trace.requests
+
+
+def test_the_bound_counts_an_earlier_turns_answer_by_hand():
+    a = TraceRequest("a", 0.0, (1, 2, 3, 4), 2)
+    b = TraceRequest("b", 1.0, (1, 2, 3, 4, 5, 6, 7, 8), 2)  # a's prompt, a's answer, 7 8
+    # Without the answer B shares A's 4 prompt tokens; with it, 6: of 4 + 8 prompt tokens.
+    assert max_prefix_hit_rate([a, b]) == pytest.approx(4 / 12)
+    assert max_prefix_hit_rate([a, b], answers={"a": (5, 6)}) == pytest.approx(6 / 12)
+    assert max_prefix_hit_rate([a, b], 4, {"a": (5, 6)}) == pytest.approx(4 / 12)  # whole blocks
+    # an answer is no help to its own prompt, nor to a prompt sent before it
+    assert max_prefix_hit_rate([b, a], answers={"a": (5, 6)}) == pytest.approx(3 / 12)

@@ -33,11 +33,13 @@ whose members wait on each other never deadlocks the arena.
 Prefill-first (``prefill_first = True``) brings in before scheduling the running sequences,
 keeping back the blocks their decodes need this step.
 
-Speculative decoding (``num_lookahead_slots = k > 0`` and a ``draft`` allocator, set by the
-engine): after the step is decided, each decode is widened to verify up to ``k`` draft tokens
-(``Scheduled(seq, 1 + k, num_draft_tokens=k)``) when its slots fit in the token budget, at
-least one free block per running sequence stays free, and the draft's arena has room for the
-draft's own slots: speculation only uses headroom, never preempts anyone.
+Speculative decoding (``num_lookahead_slots = k > 0``, with a ``draft`` allocator when a draft
+model proposes; set by the engine): after the step is decided, each decode is widened to
+verify up to ``k`` draft tokens (``Scheduled(seq, 1 + k, num_draft_tokens=k)``) when its slots
+fit in the token budget, at least one free block per running sequence stays free, and the
+draft's arena (if any) has room for the draft's own slots: speculation only uses headroom,
+never preempts anyone. The slots are a reservation: a proposer may fill fewer (n-gram lookup
+proposes what it finds), and ``update`` trims the target's to the tokens kept.
 
 The scheduler is the one owner of every allocation and of each sequence's progress: the
 engine runs the plan and hands the step's results back through ``update`` (KV written, drafts
@@ -102,7 +104,8 @@ class Scheduler(ABC):
             not fit is preempted by recompute instead.
         num_lookahead_slots: draft tokens a decode may verify per step (speculative
             decoding; the engine sets it, 0 without).
-        draft: the draft model's allocator (speculative decoding; the engine sets it).
+        draft: the draft model's allocator (speculative decoding with a draft model; the
+            engine sets it; None for a proposer without one, e.g. n-gram lookup).
         window: builds the sliding-window rings for ``max_num_seqs`` sequences (a model with
             window layers; the engine sets it). Admission then reads no prefix cache: a
             cached prefix does not hold the window layers' KV.
@@ -157,8 +160,8 @@ class Scheduler(ABC):
             positive_int("swap_blocks", swap_blocks)
         if num_lookahead_slots:
             positive_int("num_lookahead_slots", num_lookahead_slots)
-        if (draft is None) != (num_lookahead_slots == 0):
-            raise ValueError("num_lookahead_slots and a draft allocator go together")
+        if draft is not None and not num_lookahead_slots:
+            raise ValueError("a draft allocator needs num_lookahead_slots > 0")
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -298,7 +301,8 @@ class Scheduler(ABC):
                 seq.num_computed_tokens += len(kept) + 1
                 self._commit(seq, before, [*seq.token_ids, *kept])
                 self.allocator.trim(seq.request_id, seq.num_computed_tokens)
-                self.draft.rollback(seq.request_id, seq.num_computed_tokens)
+                if self.draft is not None:
+                    self.draft.rollback(seq.request_id, seq.num_computed_tokens)
             else:
                 seq.num_computed_tokens += s.num_new_tokens
                 self._commit(seq, before, seq.token_ids)
@@ -407,14 +411,16 @@ class Scheduler(ABC):
             if grown is None:
                 continue
             copies.extend(grown.copies)  # a region may have moved, even if the draft says no
-            start = self.draft.computed.get(rid, 0)
-            # The draft computes the sequence's tokens and its first k - 1 proposals.
-            drafted = self.draft.grow(rid, s.seq.num_tokens + k - 1)
-            if drafted is None:
-                alloc.trim(rid, have)
-                continue
-            self.draft.computed[rid] = s.seq.num_tokens + k - 1
-            out.draft_copies.extend(drafted.copies)
+            start = 0
+            if self.draft is not None:  # a draft model: its KV grows too
+                start = self.draft.computed.get(rid, 0)
+                # The draft computes the sequence's tokens and its first k - 1 proposals.
+                drafted = self.draft.grow(rid, s.seq.num_tokens + k - 1)
+                if drafted is None:
+                    alloc.trim(rid, have)
+                    continue
+                self.draft.computed[rid] = s.seq.num_tokens + k - 1
+                out.draft_copies.extend(drafted.copies)
             out.scheduled[i] = Scheduled(s.seq, k + 1, num_draft_tokens=k, draft_start=start)
             budget -= k
         out.copies = simultaneous(copies)

@@ -24,9 +24,10 @@ class Scheduled:
     """A sequence that runs this step, computing ``num_new_tokens`` from its computed prefix.
 
     ``num_draft_tokens > 0`` marks a speculative verification: the last ``num_draft_tokens``
-    of the ``num_new_tokens`` slots are a draft model's proposals, not yet in ``seq``. The
-    draft model first catches up from ``draft_start`` (its tokens with draft KV) and has
-    slots for the sequence's tokens and its first ``num_draft_tokens - 1`` proposals.
+    of the ``num_new_tokens`` slots are reserved for proposals, not yet in ``seq`` (a proposer
+    may fill fewer: n-gram lookup). A draft model first catches up from ``draft_start`` (its
+    tokens with draft KV) and has slots for the sequence's tokens and its first
+    ``num_draft_tokens - 1`` proposals.
     """
 
     seq: Request

@@ -117,6 +117,11 @@ def calibrate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     speculative = _build(cfg.speculative) if cfg.get("speculative") is not None else None
     if cfg.engine.get("clock", "virtual") != "virtual":
         raise ValueError("kvbench-calibrate measures on engine.clock=virtual; drop engine.clock")
+    if speculative is not None and speculative.name != "draft":
+        raise ValueError(
+            f"kvbench-calibrate prices verification steps for the model clock, which runs "
+            f"speculative=draft only, not speculative={speculative.name}: use speculative=draft"
+        )
     allocator, engine_of = _build(cfg.allocator), _build(cfg.engine)
     scheduler = _build(cfg.scheduler)
     chunked = OmegaConf.load(Path(CONFIG_DIR) / "scheduler" / "chunked_prefill.yaml")

@@ -13,7 +13,8 @@ kv_cache       the KV arena and the paged cache view mlx_lm attends through
 window         sliding-window layers' arena and ring layout
 sampling       SamplingParams and the batched sampler
 beam_search    BeamSearchParams and a search's rounds
-speculative    the draft proposer and Leviathan et al.'s acceptance rule
+speculative    the ways of drafting, the draft-model proposer, Leviathan et al.'s rule
+ngram          prompt-lookup drafting (vLLM's ngram proposer): no draft model
 recorder       the step and request rows a run's figures are computed from
 clock          virtual and wall clocks
 """

@@ -2,7 +2,8 @@
 engine (the ``engine`` config group's ``_target_``, and what scripts and tests call).
 
     model ──┬── max_model_len (the model's max_position_embeddings at most)
-            ├── draft model (speculative) ── its allocator, as many blocks as the target's
+            ├── draft model (speculative=draft, layerskip) ── its allocator, as many blocks
+            │   as the target's (speculative=ngram: no draft model, no draft KV)
             ├── window rings (sliding-window layers) ── sized by the policy's max_num_seqs
             └── num_blocks (given, or what kv_cache_bytes pays for after the rings)
     allocator(num_blocks, block_size) ── scheduler(allocator, draft=, window=) ── LLMEngine
@@ -21,8 +22,9 @@ from harness.engine.clock import CLOCKS
 from harness.engine.llm_engine import LLMEngine
 from harness.engine.model_runner import key_cost
 from harness.engine.modelled import ModelClock, ModelledProposer, ModelledRunner
+from harness.engine.ngram import NGramProposer
 from harness.engine.sampling import LogprobsMode
-from harness.engine.speculative import DraftProposer, Speculation
+from harness.engine.speculative import DraftProposer, NGram, Speculative
 from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler
@@ -40,7 +42,7 @@ def build_engine(
     num_blocks: int | None = None,
     kv_cache_bytes: int | None = None,
     max_model_len: int | None = None,
-    speculative: Speculation | None = None,
+    speculative: Speculative | None = None,
     clock: Literal["virtual", "wall", "model"] = "virtual",
     profile: str | None = None,
     acceptance: float | None = None,
@@ -57,9 +59,11 @@ def build_engine(
     scheduler: at most the model's ``max_position_embeddings``, which is also the default
     (``DEFAULT_MAX_MODEL_LEN`` when the model sets none), as vLLM derives it.
 
-    ``speculative``: a draft model proposes tokens the target verifies. Its KV lives on an
-    allocator built like the target's, with as many blocks, and counts in the budget:
-    ``kv_cache_bytes`` then sizes both arenas (target + draft bytes per block).
+    ``speculative``: drafts the target verifies, from a draft model (``Speculation``, or
+    ``LayerSkip``: the target's first layers) or from the sequence itself (``NGram``). A
+    draft model's KV lives on an allocator built like the target's, with as many blocks,
+    and counts in the budget: ``kv_cache_bytes`` then sizes both arenas (target + draft
+    bytes per block). N-gram lookup keeps no KV: the target's arena has the budget.
 
     A model with sliding-window layers gets rings (harness/engine/window.py): one per
     running sequence, ``max_num_seqs`` of them, in an arena of their own; ``num_blocks``
@@ -154,7 +158,11 @@ def build_engine(
             record=record,
             logprobs_mode=logprobs_mode,
         )
-    proposer = DraftProposer(draft, built.draft.allocator) if draft is not None else None
+    proposer = None
+    if isinstance(speculative, NGram):
+        proposer = NGramProposer(speculative, model.vocab_size)
+    elif draft is not None:
+        proposer = DraftProposer(draft, built.draft.allocator)
     rings = WindowGroup(model, built.rings) if window is not None else None
     return LLMEngine(
         model,
@@ -175,7 +183,7 @@ def _modelled(
     clock: str,
     profile: str | None,
     acceptance: float | None,
-    speculative: Speculation | None,
+    speculative: Speculative | None,
     pipeline: bool,
 ) -> tuple[Profile, float] | None:
     """The model clock's profile and acceptance rate, checked (None for a measuring clock)."""
@@ -210,6 +218,11 @@ def _modelled(
         )
     if pipeline:
         raise ValueError("engine.pipeline=true has nothing to overlap on engine.clock=model")
+    if speculative is not None and speculative.name != "draft":
+        raise ValueError(
+            f"engine.clock=model prices drafts as the profile's calibrated draft model "
+            f"(speculative=draft), not speculative={speculative.name}: use engine.clock=virtual"
+        )
     rate = acceptance if acceptance is not None else priced.data.get("acceptance_rate")
     if speculative is not None and rate is None:
         raise ValueError(

@@ -41,8 +41,8 @@ from harness.engine.request import RequestOutput
 from harness.engine.request import Sequence as Seq
 from harness.engine.sampling import LOGPROBS_MODES, LogprobsMode, Sampled, sample
 from harness.engine.speculative import (
-    DraftProposer,
     Proposal,
+    Proposer,
     Verifications,
     Verified,
     verify,
@@ -65,7 +65,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         allocator: BlockAllocator,
         scheduler: Scheduler,
         *,
-        proposer: DraftProposer | None = None,
+        proposer: Proposer | None = None,
         window: WindowGroup | None = None,
         runner: Runner | None = None,
         clock: Clock | None = None,
@@ -118,7 +118,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             arena = KVArena.for_model(model, allocator.num_blocks, allocator.block_size)
             runner = ModelRunner(model, arena, window)
         self.runner = runner
-        self.proposer = proposer  # the draft model, when speculating
+        self.proposer = proposer  # proposes drafts, when speculating
         self.recorder = Recorder(enabled=record, measured=self.clock.measures)
         self._verifications = Verifications()  # this step's, filled by _verify
         self._proposals: dict[Seq, Proposal] = {}  # this step's drafts, from _rows on
@@ -216,7 +216,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
                     self.window.swap_out(s.seq.request_id, s.ring)
             swap_time += time.perf_counter() - start
         self.runner.copy_blocks(plan.copies)  # a source may be a block a swap-in reuses
-        if self.proposer is not None:
+        if plan.draft_copies:  # only a draft model's KV moves
             self.proposer.runner.copy_blocks(plan.draft_copies)
         if plan.swapped_in:
             start = time.perf_counter()
@@ -245,7 +245,8 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         if plan.scheduled:
             forward = self.runner.forward(self._rows(plan), self._inflight_tokens)
         # The step's work, priced by a model clock (a measuring clock ignores it).
-        features = step_features(plan, forward.work if forward else Work())
+        drafted = self.proposer is not None and self.proposer.runs_model
+        features = step_features(plan, forward.work if forward else Work(), drafted)
         self.clock.charge(features)
         if forward is not None:
             if pipelined and forward.logits is not None:
@@ -255,7 +256,8 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             self.runner.launch([] if wanted is None else [wanted])  # blocks on MLX's CPU build
             self._waited += time.perf_counter() - launched
         stats = self.scheduler.stats() if self.recorder.enabled else None
-        snapshot = self.recorder.snapshot(stats, plan)
+        proposed = {seq: len(p.tokens) for seq, p in self._proposals.items()}
+        snapshot = self.recorder.snapshot(stats, plan, proposed)
         outputs += self._resolve(start)
         if forward is not None:
             if pipelined:
@@ -329,9 +331,9 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         sampling, verifying, offset = [], {}, 0  # rows that sample and verify, by logits row
         for s in plan.scheduled:
             seq = s.seq
-            if s.num_draft_tokens:
+            if s.num_draft_tokens:  # the drafts proposed (n-gram lookup may find fewer)
                 verifying[seq] = offset
-                offset += s.num_draft_tokens + 1
+                offset += len(self._proposals[seq].tokens) + 1
                 continue
             if positions := prompt_positions(seq, s.num_new_tokens):
                 self._prompt_logprobs(seq, positions, logits[offset : offset + len(positions)])

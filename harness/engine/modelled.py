@@ -28,10 +28,10 @@ from harness.engine.speculative import Proposal, RowFor
 from schedulers.output import Scheduled, SchedulerOutput
 
 
-def step_features(plan: SchedulerOutput, work: Work) -> StepFeatures:
+def step_features(plan: SchedulerOutput, work: Work, draft_model: bool = True) -> StepFeatures:
     """The step's work as the cost model prices it: the forward's ``work`` and the plan's
-    block moves and draft work."""
-    drafts = [s for s in plan.scheduled if s.num_draft_tokens]
+    block moves and draft work (none without a ``draft_model``: n-gram lookup)."""
+    drafts = [s for s in plan.scheduled if s.num_draft_tokens] if draft_model else []
     return StepFeatures(
         rows=len(plan.scheduled) if work.groups else 0,
         groups=work.groups,
@@ -135,6 +135,8 @@ class ModelledRunner:
 class ModelledProposer:
     """The draft model's stand-in: proposes seeded tokens (which the runner accepts with
     the set probability); the draft's work is priced by the step's features."""
+
+    runs_model = True
 
     def __init__(self, runner: ModelledRunner, seed: int) -> None:
         self.runner = runner  # the draft's copies go nowhere, as the target's

@@ -19,6 +19,8 @@ allocation live at their step has ended; ``steps`` resolves the rest as of the l
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import mlx.core as mx
 
 from harness.costmodel.features import StepFeatures
@@ -89,7 +91,9 @@ class Recorder:
         }
         self.requests.append(row | columns)
 
-    def snapshot(self, stats: KVStats | None, plan: SchedulerOutput) -> dict | None:
+    def snapshot(
+        self, stats: KVStats | None, plan: SchedulerOutput, proposed: Mapping[Sequence, int]
+    ) -> dict | None:
         """The step's KV memory, token split and queue figures, from the scheduler's
         ``stats`` (None when recording is off). Taken after scheduling and before the step's
         outputs are processed (while its forward computes, so the bookkeeping overlaps the
@@ -98,7 +102,12 @@ class Recorder:
         if stats is None:
             return None
         blocks = stats.blocks
-        new = {id(s.seq): s.num_new_tokens for s in plan.scheduled}
+        # A verification writes the drafts ``proposed`` (by sequence), which may be fewer
+        # than the slots reserved for them (n-gram lookup).
+        new = {
+            id(s.seq): s.num_new_tokens - s.num_draft_tokens + proposed.get(s.seq, 0)
+            for s in plan.scheduled
+        }
         prefill = 0
         for s in plan.scheduled:
             seq = s.seq
@@ -128,6 +137,7 @@ class Recorder:
         bs = blocks.block_size
         row.update(
             prefill_tokens=prefill,
+            decode_tokens=sum(new.values()) - prefill,
             num_waiting=stats.num_waiting,
             num_running=len(stats.running),
             num_swapped=stats.num_swapped,
@@ -181,7 +191,6 @@ class Recorder:
             forward_time=forward_time,
             build_time=build_time,
             batch_size=len(plan.scheduled),
-            decode_tokens=plan.num_batched_tokens - row["prefill_tokens"],
             preempted=len(plan.preempted),
             swap_out_blocks=sum(len(s.blocks) for s in plan.swapped_out),
             swap_in_blocks=sum(len(s.blocks) for s in plan.swapped_in),

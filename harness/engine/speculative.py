@@ -14,20 +14,28 @@ Greedy requests accept a draft token iff it is the target's argmax. Sampling req
 ``p``. Both ``p`` and ``q`` go through the sampler's own processing (penalties, min_tokens
 bans, temperature, top-k/top-p/min-p), with the context each position actually has.
 
-Speculative decoding is an engine feature (config group ``speculative/``): the engine builds
-the draft model and its allocator like the target's (same allocator policy, same number of
-blocks, so it holds every running sequence), counts the draft's KV in the run's budget, and
-sets the scheduler's ``num_lookahead_slots``. The scheduler owns the draft's allocator as it
-owns the target's (``schedulers/kv_groups.py``): it reserves the draft's slots when it widens
-a decode, rolls them back to the accepted tokens and drops them when the sequence leaves the
+Three ways of drafting (config group ``speculative/``), each a ``Speculative``:
+
+    Speculation  (draft)      a draft model: another model, or one built from the target
+    LayerSkip    (layerskip)  the target's first layers, its norm and head (shared weights)
+    NGram        (ngram)      prompt lookup in the sequence's own tokens (harness/engine/
+                              ngram.py): no draft model, no draft KV, maybe fewer than k
+
+Speculative decoding is an engine feature: for a draft model the engine builds the draft
+model and its allocator like the target's (same allocator policy, same number of blocks, so
+it holds every running sequence), counts the draft's KV in the run's budget, and sets the
+scheduler's ``num_lookahead_slots``. The scheduler owns the draft's allocator as it owns the
+target's (``schedulers/kv_groups.py``): it reserves the draft's slots when it widens a
+decode, rolls them back to the accepted tokens and drops them when the sequence leaves the
 device (finish, abort, preemption). The proposer only reads the draft's block tables.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -45,7 +53,7 @@ from harness.engine.sampling import (
     logprob_dict,
     logprob_values,
 )
-from harness.platform.models import LoadedModel, random_model
+from harness.platform.models import LoadedModel, prefix_model, random_model
 from schedulers.output import Scheduled
 
 # The sampler's view of a sequence with some draft tokens appended (the engine's _sample_row).
@@ -53,18 +61,32 @@ RowFor = Callable[[Seq, Sequence[int]], SampleRow]
 
 
 @dataclass(frozen=True)
-class Speculation:
-    """Speculative decoding's settings: ``num_draft_tokens`` per decode and the ``draft``
-    model, a LoadedModel, a callable building one from the target (e.g.
-    ``functools.partial(noisy_copy, scale=0.017)``), or None for ``random_draft``."""
+class Speculative(ABC):
+    """What every way of drafting shares: ``num_draft_tokens`` (k) per decode, the
+    scheduler's lookahead slots. ``draft_for`` gives the draft model, or None for a
+    proposer that runs none (n-gram lookup: no draft KV either)."""
 
+    name: ClassVar[str]  # the speculative/ config option
     num_draft_tokens: int = 4
-    draft: LoadedModel | Callable[[LoadedModel], LoadedModel] | None = None
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative.num_draft_tokens={k!r} is invalid: an int >= 1")
+
+    @abstractmethod
+    def draft_for(self, target: LoadedModel) -> LoadedModel | None:
+        """The draft model proposing for ``target`` (None: no model, no draft KV)."""
+
+
+@dataclass(frozen=True)
+class Speculation(Speculative):
+    """A draft model proposes: ``draft`` is a LoadedModel, a callable building one from the
+    target (e.g. ``functools.partial(noisy_copy, scale=0.017)``), or None for
+    ``random_draft``."""
+
+    name: ClassVar[str] = "draft"
+    draft: LoadedModel | Callable[[LoadedModel], LoadedModel] | None = None
 
     def draft_for(self, target: LoadedModel) -> LoadedModel:
         """The draft model for ``target``, checked to share its vocabulary."""
@@ -76,6 +98,70 @@ class Speculation:
                 f"{target.name!r} has {target.vocab_size}: speculative decoding needs the same"
             )
         return draft
+
+
+@dataclass(frozen=True)
+class LayerSkip(Speculative):
+    """Self-speculation (LayerSkip, Elhoushi et al. 2024, without its early-exit training):
+    the draft is the target's first ``num_layers`` layers, then its final norm and LM head,
+    sharing the target's weights (``prefix_model``). Its KV is its own (one arena layer per
+    draft layer), as a draft model's. ``num_layers=None``: half the target's layers."""
+
+    name: ClassVar[str] = "layerskip"
+    num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        n = self.num_layers
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(
+                f"speculative.num_layers={n!r} is invalid: an int >= 1 (the target's first "
+                "layers the draft runs), or null for half of them"
+            )
+
+    def draft_for(self, target: LoadedModel) -> LoadedModel:
+        """The target's first ``num_layers`` layers as a model of their own."""
+        layers = target.num_layers
+        n = max(1, layers // 2) if self.num_layers is None else self.num_layers
+        if not 1 <= n < layers:
+            raise ValueError(
+                f"speculative.num_layers={n} is invalid for model {target.name!r} of {layers} "
+                f"layers: set 1 <= num_layers < {layers} (all of them would be the target)"
+            )
+        return prefix_model(target, n)
+
+
+@dataclass(frozen=True)
+class NGram(Speculative):
+    """Prompt lookup (vLLM's ``method="ngram"``): the longest suffix of the sequence's tokens,
+    between ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens long, that occurred
+    before proposes the tokens that followed it (harness/engine/ngram.py). No draft model,
+    no draft KV. Unset bounds resolve as vLLM's: one missing takes the other's value, both
+    missing are 5."""
+
+    name: ClassVar[str] = "ngram"
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for field_, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"speculative.{field_}={value!r} is invalid: an int >= 1, or null")
+        hi = hi if hi is not None else (lo if lo is not None else 5)
+        lo = lo if lo is not None else hi
+        if lo > hi:
+            raise ValueError(
+                f"speculative.prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}: set min <= max"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    def draft_for(self, target: LoadedModel) -> None:
+        return None
 
 
 @dataclass
@@ -114,10 +200,23 @@ def random_draft(
     return random_model(arch, size, seed, vocab_size=target.vocab_size, **overrides)
 
 
+class Proposer(Protocol):
+    """What the engine asks of a source of drafts: ``propose`` at most ``num_draft_tokens``
+    per verification of the plan. ``runs_model``: a draft model computes them (its forwards
+    are a step's ``draft_rounds`` and ``draft_tokens``, and it has a ``runner`` whose KV
+    blocks the plan's ``draft_copies`` move)."""
+
+    runs_model: bool
+
+    def propose(self, work: Sequence[Scheduled], row_for: RowFor) -> list[Proposal]: ...
+
+
 class DraftProposer:
     """Runs the draft model over its own paged KV arena and proposes tokens per sequence.
 
     ``allocator``: the draft's, owned by the scheduler; the proposer reads its tables."""
+
+    runs_model = True
 
     def __init__(self, draft: LoadedModel, allocator: BlockAllocator) -> None:
         self.model = draft

@@ -7,6 +7,8 @@ depend on what the weights say.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +179,41 @@ def noisy_copy(loaded: LoadedModel, scale: float, seed: int = 0) -> LoadedModel:
     return describe(
         model,
         name=f"{loaded.name}-noisy{scale:g}-seed{seed}",
+        tokenizer=loaded.tokenizer,
+        eos_token_ids=loaded.eos_token_ids,
+    )
+
+
+def prefix_model(loaded: LoadedModel, num_layers: int) -> LoadedModel:
+    """``loaded``'s first ``num_layers`` layers, then its final norm and LM head: a model of
+    its own that shares ``loaded``'s weights (no copy; LayerSkip's self-speculative draft).
+
+    The module and its body are shallow copies whose ``layers`` is the prefix list, so
+    mlx_lm's forward runs unchanged; ``args`` says ``num_hidden_layers=num_layers``."""
+    if not 1 <= num_layers <= loaded.num_layers:
+        raise ValueError(
+            f"prefix_model: num_layers={num_layers} is outside 1..{loaded.num_layers}, the "
+            f"layers of {loaded.name!r}"
+        )
+    if loaded.window_layers:
+        raise ValueError(
+            f"prefix_model: {loaded.name!r} has sliding-window layers; a prefix of "
+            "full-attention layers only is supported"
+        )
+    model, body = copy.copy(loaded.model), copy.copy(loaded.model.model)
+    body.layers = loaded.model.model.layers[:num_layers]
+    for module in (model, body):
+        args = getattr(module, "args", None)
+        if dataclasses.is_dataclass(args) and hasattr(args, "num_hidden_layers"):
+            module.args = dataclasses.replace(args, num_hidden_layers=num_layers)
+        if getattr(module, "num_hidden_layers", None) is not None:
+            module.num_hidden_layers = num_layers
+        if isinstance(getattr(module, "layer_types", None), list):
+            module.layer_types = module.layer_types[:num_layers]
+    model.model = body
+    return describe(
+        model,
+        name=f"{loaded.name}-first{num_layers}",
         tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
     )

@@ -92,3 +92,10 @@ def test_a_bad_grid_value_is_one_line_and_exit_2(tmp_path):
         "kvbench-calibrate: error: calibrate.batches=[0] is invalid: a list of ints >= 1"
     ]
     assert "Traceback" not in proc.stdout
+
+
+@pytest.mark.parametrize("option", ["ngram", "layerskip"])
+def test_drafts_the_model_clock_cannot_run_are_refused_before_any_cell(option, tmp_path):
+    with pytest.raises(ValueError, match=f"not speculative={option}: use speculative=draft"):
+        calibrate(compose_calibrate(f"speculative={option}"), tmp_path)
+    assert list(tmp_path.iterdir()) == []

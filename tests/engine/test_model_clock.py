@@ -19,7 +19,7 @@ from harness.costmodel.profile import FORMAT, VERSION, fingerprint, save
 from harness.engine import build_engine
 from harness.engine.intake import RequestError
 from harness.engine.sampling import SamplingParams
-from harness.engine.speculative import Speculation
+from harness.engine.speculative import LayerSkip, NGram, Speculation
 from schedulers.fcfs import FCFSScheduler
 
 DECODE, PREFILL_PER_TOKEN = 0.010, 0.025  # seconds: a decode step, a prompt token
@@ -185,6 +185,15 @@ def test_the_model_clock_needs_a_profile_and_speculation_an_acceptance(model, tm
         modelled(model, toy_profile(model, tmp_path), speculative=Speculation())
     with pytest.raises(ValueError, match="the model clock's: set engine.clock=model"):
         build_engine(model, FreeListAllocator, FCFSScheduler, num_blocks=8, profile="p.json")
+
+
+@pytest.mark.parametrize("speculative", [NGram(), LayerSkip()], ids=["ngram", "layerskip"])
+def test_drafts_the_profile_did_not_price_are_refused(model, tmp_path, speculative):
+    """The profile prices a verification's draft work as its calibrated draft model's: a
+    prompt lookup (no model) or a layer prefix (cheaper) would be mispriced."""
+    profile = toy_profile(model, tmp_path, acceptance_rate=0.5)
+    with pytest.raises(ValueError, match=f"not speculative={speculative.name}: use engine"):
+        modelled(model, profile, speculative=speculative)
 
 
 BUSY = [sys.executable, "-c", "while True: pass"]

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from allocators.base import BlockAllocator
-from harness.engine.kv_cache import KVArena
+from harness.engine.kv_cache import UNQUANTIZED, KVArena, KVFormat
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.request import Sequence as Seq
 from harness.engine.sampling import (
@@ -117,12 +117,16 @@ def random_draft(
 class DraftProposer:
     """Runs the draft model over its own paged KV arena and proposes tokens per sequence.
 
-    ``allocator``: the draft's, owned by the scheduler; the proposer reads its tables."""
+    ``allocator``: the draft's, owned by the scheduler; the proposer reads its tables.
+    ``kv_format``: how its arena stores K and V (the target's: engine.kv_bits applies to
+    both, and the byte budget pays for both at it)."""
 
-    def __init__(self, draft: LoadedModel, allocator: BlockAllocator) -> None:
+    def __init__(
+        self, draft: LoadedModel, allocator: BlockAllocator, kv_format: KVFormat = UNQUANTIZED
+    ) -> None:
         self.model = draft
         self.allocator = allocator
-        self.arena = KVArena.for_model(draft, allocator.num_blocks, allocator.block_size)
+        self.arena = KVArena.for_model(draft, allocator.num_blocks, allocator.block_size, kv_format)
         self.runner = ModelRunner(draft, self.arena)
 
     def propose(self, work: Sequence[Scheduled], row_for: RowFor) -> list[Proposal]:

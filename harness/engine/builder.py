@@ -86,8 +86,8 @@ def build_engine(
     kv_format.check(model)
     if kv_format.quantized and model.window_layers:
         raise ValueError(
-            f"engine.kv_bits={kv_bits} is not supported for model {model.name!r}'s "
-            "sliding-window layers (their rings are not quantized): use engine.kv_bits=16"
+            f"engine.kv_bits={kv_bits} is not supported for the sliding-window layers of "
+            f"model {model.name!r} (their rings are not quantized): use engine.kv_bits=16"
         )
     if kv_format.quantized and modelled is not None:
         raise ValueError(

@@ -31,6 +31,21 @@ def model() -> LoadedModel:
     return random_model("llama", "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A per-session cache folder for converted models (never the user's own)."""
+    return str(tmp_path_factory.mktemp("kvbench-cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_cache: str) -> LoadedModel:
+    """SmolLM2-135M-Instruct (harness/platform/smollm2.py), converted once per session: a real
+    trained model, for what random weights cannot show."""
+    from harness.platform.smollm2 import load_smollm2
+
+    return load_smollm2(cache=smollm2_cache)
+
+
 def compose_config(overrides: Sequence[str] = (), *, tiny: bool = True) -> DictConfig:
     """conf/config.yaml composed with ``overrides`` (after the ``TINY`` ones when ``tiny``)."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="test"):

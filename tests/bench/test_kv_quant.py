@@ -14,7 +14,8 @@ def test_agreement_counts_the_prefix_and_every_equal_position():
 
 def test_a_small_run_prints_a_row_per_kv_bits(capsys):
     kv_quant.main(
-        ["--prompts", "2", "--prompt-len", "16", "--tokens", "8", "--requests", "6"]
+        ["--model", "tiny", "--prompts", "2", "--prompt-len", "16", "--tokens", "8"]
+        + ["--requests", "6"]
         + ["--budget-blocks", "16"]
     )
     lines = capsys.readouterr().out.splitlines()

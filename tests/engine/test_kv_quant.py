@@ -239,3 +239,19 @@ def test_the_model_clock_refuses_a_quantized_arena(model):
             clock="model",
             profile="results/baselines/profile-llama-tiny.json",
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [8, 4])
+def test_smollm2_greedy_tokens_equal_mlx_lms_quantized_cache(smollm2, bits):
+    """The trained model (peaked logits, not a random model's flat ones) through the
+    quantized arena: mlx_lm's tokens over its QuantizedKVCache, batched and paged."""
+    prompts = [
+        smollm2.tokenizer.encode(text)
+        for text in ("The capital of France is", "Photosynthesis is the process by which")
+    ]
+    reference = [mlx_lm_quantized_tokens(smollm2, p, MAX_TOKENS, bits) for p in prompts]
+    e = engine(smollm2, ContiguousAllocator, bits=bits, num_blocks=8, block_size=16)
+    assert tokens(e.generate(prompts, GREEDY)) == reference
+    if bits == 8:  # 8-bit K/V keep the trained model's answer
+        assert smollm2.tokenizer.decode(reference[0]).lstrip().startswith("Paris")

@@ -24,6 +24,7 @@ from harness.engine.persistence import KVRestoreWarning
 from harness.engine.sampling import SamplingParams
 from harness.engine.speculative import Speculation
 from harness.platform.models import noisy_copy, random_model
+from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 
 MAX_TOKENS = 12
@@ -119,6 +120,34 @@ def test_a_sliding_window_model_is_refused_in_one_line():
 def test_greedy_tokens_equal_mlx_lms_quantized_cache(model, prompts, references, allocator, bits):
     e = engine(model, allocator, bits=bits)
     assert tokens(e.generate(prompts, GREEDY)) == references[bits]
+    assert_all_free(e)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"pipeline": True},
+        {
+            "scheduler": partial(
+                ChunkedPrefillScheduler, max_chunk=16, max_num_batched_tokens=24, max_num_seqs=8
+            )
+        },
+    ],
+    ids=["pipelined", "chunked-prefill"],
+)
+def test_pipelined_steps_and_prefill_chunks_keep_the_quantized_tokens(
+    model, prompts, references, options
+):
+    e = build_engine(
+        model,
+        FreeListAllocator,
+        options.pop("scheduler", FCFSScheduler),
+        block_size=8,
+        num_blocks=128,
+        kv_bits=4,
+        **options,
+    )
+    assert tokens(e.generate(prompts, GREEDY)) == references[4]
     assert_all_free(e)
 
 

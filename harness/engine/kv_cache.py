@@ -77,8 +77,8 @@ class KVFormat:
         if self.quantized and model.head_dim % self.group_size:
             raise ValueError(
                 f"engine.kv_group_size={self.group_size} does not divide model "
-                f"{model.name!r}'s head_dim={model.head_dim}: choose one that divides it "
-                "(32 divides every head_dim mlx_lm quantizes)"
+                f"{model.name!r}'s head_dim={model.head_dim}: choose one of 32, 64, 128 that "
+                "divides it"
             )
 
 

@@ -17,7 +17,7 @@ from test_engine import assert_all_free
 
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
-from harness.engine import build_engine
+from harness.engine import build_engine, persistence
 from harness.engine.beam_search import BeamSearchParams
 from harness.engine.kv_cache import KVArena, KVFormat
 from harness.engine.persistence import KVRestoreWarning
@@ -284,3 +284,16 @@ def test_smollm2_greedy_tokens_equal_mlx_lms_quantized_cache(smollm2, bits):
     assert tokens(e.generate(prompts, GREEDY)) == reference
     if bits == 8:  # 8-bit K/V keep the trained model's answer
         assert smollm2.tokenizer.decode(reference[0]).lstrip().startswith("Paris")
+
+
+def test_a_file_from_before_kv_bits_reads_as_16_bits(model, tmp_path):
+    path = tmp_path / "old.safetensors"
+    spec = persistence.KVSpec.of(model, 8)
+    host = KVArena.for_model(model, 2, 8).swap_out([0, 1])
+    persistence.save(path, spec, list(range(1, 11)), host)
+    arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+    del meta["kv_bits"], meta["kv_group_size"]  # as kvbench wrote files before them
+    mx.save_safetensors(str(path), arrays, metadata=meta)
+    assert persistence.load(path, spec).token_ids == tuple(range(1, 11))
+    with pytest.raises(persistence.KVFileError, match=r"saved with kv_bits=16, this engine"):
+        persistence.load(path, persistence.KVSpec.of(model, 8, KVFormat(8)))

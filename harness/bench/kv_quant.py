@@ -195,19 +195,24 @@ def main(argv: list[str]) -> None:
 
     prompts = prompt_set(model, args.prompts, args.prompt_len, args.seed)
     reference = greedy_tokens(model, prompts, args.tokens, base, args.block_size)
-    teacher = [
-        teacher_logprobs(model, p, r, base, args.block_size)
-        for p, r in zip(prompts, reference, strict=True)
-    ]
+    generated = {
+        b: greedy_tokens(model, prompts, args.tokens, fmt, args.block_size)
+        for b, fmt in formats.items()
+        if fmt != base
+    }
+    generated[16] = reference
+    kls: dict[int, list[float]] = {b: [] for b in formats}
+    for p, r in zip(prompts, reference, strict=True):
+        # one prompt at a time: a [tokens, vocab] array per format is 50 MB for SmolLM2
+        lp16 = teacher_logprobs(model, p, r, base, args.block_size)
+        for b, fmt in formats.items():
+            lpq = lp16 if fmt == base else teacher_logprobs(model, p, r, fmt, args.block_size)
+            kls[b].append(mx.mean(mx.sum(mx.exp(lp16) * (lp16 - lpq), axis=-1)).item())
     quality = {}
-    for b, fmt in formats.items():
-        got = greedy_tokens(model, prompts, args.tokens, fmt, args.block_size)
-        pairs = [agreement(g, r) for g, r in zip(got, reference, strict=True)]
-        kls = []
-        for p, r, lp16 in zip(prompts, reference, teacher, strict=True):
-            lpq = teacher_logprobs(model, p, r, fmt, args.block_size)
-            kls.append(mx.mean(mx.sum(mx.exp(lp16) * (lp16 - lpq), axis=-1)).item())
-        quality[b] = (np.mean([a for a, _ in pairs]), np.mean([a for _, a in pairs]), np.mean(kls))
+    for b in formats:
+        pairs = [agreement(g, r) for g, r in zip(generated[b], reference, strict=True)]
+        prefix, overall = np.mean(pairs, axis=0)
+        quality[b] = (prefix, overall, np.mean(kls[b]))
 
     block_bytes = model.kv_bytes_per_token() * args.block_size
     budget = args.budget_blocks * block_bytes

@@ -78,6 +78,8 @@ HEADLINES = (
     Column("e2e_p50", "E2E p50", "ms", 1e3, 1),
     Column("spec_acceptance_rate", "alpha", "%", 100, 1),
     Column("spec_tokens_per_verification", "tok/verif", "tok", digits=2),
+    Column("num_blocks", "arena", "blocks"),
+    Column("ttft_p90", "TTFT p90", "ms", 1e3, 1),
 )
 _BY_KEY = {c.key: c for c in (*COLUMNS, *HEADLINES)}
 RUN = "run"  # the label column

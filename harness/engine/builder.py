@@ -5,7 +5,8 @@ engine (the ``engine`` config group's ``_target_``, and what scripts and tests c
             ├── draft model (speculative=draft, layerskip) ── its allocator, as many blocks
             │   as the target's (speculative=ngram: no draft model, no draft KV)
             ├── window rings (sliding-window layers) ── sized by the policy's max_num_seqs
-            └── num_blocks (given, or what kv_cache_bytes pays for after the rings)
+            └── num_blocks (given, or what kv_cache_bytes pays for after the rings, at
+                kv_bits: a quantized block's packed values, scales and biases)
     allocator(num_blocks, block_size) ── scheduler(allocator, draft=, window=) ── LLMEngine
 """
 
@@ -19,6 +20,7 @@ from allocators.base import BlockAllocator
 from harness.costmodel.profile import Profile, fingerprint
 from harness.costmodel.profile import load as load_profile
 from harness.engine.clock import CLOCKS
+from harness.engine.kv_cache import KVFormat
 from harness.engine.llm_engine import LLMEngine
 from harness.engine.model_runner import key_cost
 from harness.engine.modelled import ModelClock, ModelledProposer, ModelledRunner
@@ -41,6 +43,8 @@ def build_engine(
     block_size: int = 16,
     num_blocks: int | None = None,
     kv_cache_bytes: int | None = None,
+    kv_bits: Literal[16, 8, 4] = 16,
+    kv_group_size: Literal[32, 64, 128] = 64,
     max_model_len: int | None = None,
     speculative: Speculative | None = None,
     clock: Literal["virtual", "wall", "model"] = "virtual",
@@ -70,12 +74,30 @@ def build_engine(
     counts the full-attention layers' blocks, and ``kv_cache_bytes`` pays for the rings
     first. Its scheduler reads no prefix cache.
 
+    ``kv_bits``: 16 stores K and V in the model's dtype; 8 or 4 quantizes them group-wise
+    (``kv_group_size`` values per scale and bias, as ``mx.quantize``) in the arena, the
+    draft's included, and ``kv_cache_bytes`` buys blocks at their quantized size. Not with
+    sliding-window layers (their rings are not quantized) or the model clock (its profile
+    prices unquantized attention).
+
     ``clock``: ``virtual`` or ``wall`` (harness/engine/clock.py), or ``model``: no model
     forward, each step priced by the cost ``profile`` file (harness/engine/modelled.py),
     speculative drafts accepted with probability ``acceptance`` (default: the profile's
     measured rate). ``seed``, ``record``, ``pipeline`` and ``logprobs_mode`` are
     ``LLMEngine``'s."""
     modelled = _modelled(model, clock, profile, acceptance, speculative, pipeline)
+    kv_format = KVFormat(kv_bits, kv_group_size)
+    kv_format.check(model)
+    if kv_format.quantized and model.window_layers:
+        raise ValueError(
+            f"engine.kv_bits={kv_bits} is not supported for the sliding-window layers of "
+            f"model {model.name!r} (their rings are not quantized): use engine.kv_bits=16"
+        )
+    if kv_format.quantized and modelled is not None:
+        raise ValueError(
+            f"engine.kv_bits={kv_bits} is not priced by engine.clock=model (a profile prices "
+            "unquantized attention): use engine.clock=virtual, or engine.kv_bits=16"
+        )
     limit = model.max_position_embeddings
     if max_model_len is not None and (isinstance(max_model_len, bool) or max_model_len < 1):
         raise ValueError(
@@ -127,7 +149,9 @@ def build_engine(
             rings = ring_blocks * block_size * len(model.window_layers)
             rings *= model.layer_bytes_per_token()
             kv_cache_bytes -= rings
-        per_token = model.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft else 0)
+        per_token = model.kv_bytes_per_token(kv_bits, kv_group_size)
+        if draft is not None:
+            per_token += draft.kv_bytes_per_token(kv_bits, kv_group_size)
         per_block = per_token * block_size
         num_blocks = kv_cache_bytes // per_block
         if num_blocks < 1:
@@ -162,7 +186,7 @@ def build_engine(
     if isinstance(speculative, NGram):
         proposer = NGramProposer(speculative, model.vocab_size)
     elif draft is not None:
-        proposer = DraftProposer(draft, built.draft.allocator)
+        proposer = DraftProposer(draft, built.draft.allocator, kv_format)
     rings = WindowGroup(model, built.rings) if window is not None else None
     return LLMEngine(
         model,
@@ -175,6 +199,7 @@ def build_engine(
         record=record,
         pipeline=pipeline,
         logprobs_mode=logprobs_mode,
+        kv_format=kv_format,
     )
 
 

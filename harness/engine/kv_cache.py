@@ -13,6 +13,19 @@ one flat row index per new (token, head) cost a third of a block/slot scatter in
 shape, and a reshaped view would share the buffer and turn the write into a copy of the layer.
 A run of consecutive blocks is a contiguous range of rows, so block copies go run by run.
 
+Quantized (``KVFormat(bits=8 | 4)``, engine.kv_bits): a row is one head's K (or V) of one
+token as ``mx.quantize`` gives it along head_dim, stored as uint32 words::
+
+    [ packed values: head_dim * bits / 32 words | scales, then biases: head_dim / group_size
+      each, in the model's dtype, viewed as words ]
+
+A token's row is quantized on its own (groups run along head_dim, as mlx_lm's
+``QuantizedKVCache``), so overwriting a slot, a partial block or a trimmed draft needs no
+other row; and every path that moves blocks (copies, relocations, swaps, KV files) moves raw
+words, whatever the format. The paged view hands attention (packed, scales, biases) tuples
+and exposes ``bits`` and ``group_size``, so mlx_lm's attention takes its quantized path
+(``quantized_scaled_dot_product_attention``: ``mx.quantized_matmul`` on the gathered blocks).
+
 One batch of a step is described once by a ``BatchLayout`` (index arrays built in numpy),
 shared by every layer's ``PagedKVCache`` view::
 
@@ -28,7 +41,48 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from harness.platform.models import LoadedModel
+from harness.platform.models import KV_BITS, LoadedModel, kv_row_bytes
+
+QUANT_GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How the arena stores K and V: ``bits=16`` in the model's dtype as is (float32 models
+    too: 16 names "not quantized"); 8 or 4 group-wise affine, ``mx.quantize`` with
+    ``group_size`` values per scale and bias along head_dim (mlx_lm's ``QuantizedKVCache``
+    default: 64). Config: ``engine.kv_bits``, ``engine.kv_group_size``."""
+
+    bits: int = 16
+    group_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.bits not in KV_BITS or isinstance(self.bits, bool):
+            raise ValueError(
+                f"engine.kv_bits={self.bits!r} is invalid: choose 16 (the model's dtype, not "
+                "quantized), 8 or 4"
+            )
+        if self.group_size not in QUANT_GROUP_SIZES or isinstance(self.group_size, bool):
+            raise ValueError(
+                f"engine.kv_group_size={self.group_size!r} is invalid: choose 32, 64 or 128 "
+                "(the group sizes mx.quantize supports)"
+            )
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits != 16
+
+    def check(self, model: LoadedModel) -> None:
+        """``ValueError`` when ``model``'s KV cannot be stored in this format."""
+        if self.quantized and model.head_dim % self.group_size:
+            raise ValueError(
+                f"engine.kv_group_size={self.group_size} does not divide model "
+                f"{model.name!r}'s head_dim={model.head_dim}: choose one of 32, 64, 128 that "
+                "divides it"
+            )
+
+
+UNQUANTIZED = KVFormat()  # engine.kv_bits=16, the default
 
 
 class KVArena:
@@ -43,6 +97,7 @@ class KVArena:
         num_kv_heads: int,
         head_dim: int,
         dtype: mx.Dtype = mx.float32,
+        kv_format: KVFormat = UNQUANTIZED,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -53,19 +108,33 @@ class KVArena:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.dtype = dtype  # the model's: K and V in, attention's inputs out
+        self.format = kv_format
         self.scratch_block = num_blocks
         self.rows_per_block = num_kv_heads * block_size
-        shape = ((num_blocks + 1) * self.rows_per_block, head_dim)
+        # A row's stored width: head_dim values, or the words of a quantized row.
+        row = kv_row_bytes(head_dim, dtype, kv_format.bits, kv_format.group_size)
+        self.width = row // 4 if kv_format.quantized else head_dim
+        stored = mx.uint32 if kv_format.quantized else dtype
+        shape = ((num_blocks + 1) * self.rows_per_block, self.width)
         # Exactly one live reference to each array: a second one would turn every in-place
         # write into a copy of the whole layer (MLX arrays are values).
-        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [mx.zeros(shape, dtype=stored) for _ in range(num_layers)]
+        self.values = [mx.zeros(shape, dtype=stored) for _ in range(num_layers)]
         mx.eval(self.keys, self.values)
 
     @classmethod
-    def for_model(cls, model: LoadedModel, num_blocks: int, block_size: int) -> KVArena:
+    def for_model(
+        cls,
+        model: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        kv_format: KVFormat = UNQUANTIZED,
+    ) -> KVArena:
         """An arena shaped for ``model``'s full-attention KV (layers, KV heads, head size,
-        dtype); sliding-window layers have their own (harness/engine/window.py)."""
+        dtype), stored in ``kv_format``; sliding-window layers have their own
+        (harness/engine/window.py)."""
+        kv_format.check(model)
         return cls(
             num_layers=len(model.full_layers),
             num_blocks=num_blocks,
@@ -73,11 +142,13 @@ class KVArena:
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
             dtype=model.dtype,
+            kv_format=kv_format,
         )
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the allocatable blocks (the scratch block is not counted)."""
+        """Bytes of the allocatable blocks (the scratch block is not counted): packed values,
+        scales and biases when quantized."""
         per_layer = self.keys[0].nbytes * self.num_blocks // (self.num_blocks + 1)
         return 2 * len(self.keys) * per_layer
 
@@ -128,7 +199,7 @@ class KVArena:
         per = self.rows_per_block
         for arrays, data in ((self.keys, keys), (self.values, values)):
             for layer, blocks in enumerate(data):
-                rows = blocks.reshape(-1, self.head_dim)
+                rows = blocks.reshape(-1, self.width)
                 pool = arrays[layer]
                 for at, block, n in runs:
                     pool[block * per : (block + n) * per] = rows[at * per : (at + n) * per]
@@ -154,8 +225,8 @@ RAW_BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 @dataclass
 class HostBlocks:
-    """A swapped-out sequence's KV in host memory: per layer ``[n, n_kv, block_size, d]``
-    raw bits of the arena dtype."""
+    """A swapped-out sequence's KV in host memory: per layer ``[n, n_kv, block_size, w]``
+    raw bits of the arena's stored rows (w = head_dim values, or a quantized row's words)."""
 
     keys: list[np.ndarray]
     values: list[np.ndarray]
@@ -301,7 +372,15 @@ class PagedKVCache:
 
     mlx_lm attention calls ``offset`` (RoPE positions), ``update_and_fetch`` and, through
     ``create_attention_mask``, ``make_mask``. Nothing else is needed, so models run unmodified.
+    ``PagedKVCache.over`` picks the view of a quantized arena when it is one.
     """
+
+    @staticmethod
+    def over(arena: KVArena, layer: int, layout: BatchLayout) -> PagedKVCache:
+        """The view of ``arena``'s ``layer`` for ``layout``, quantized or not."""
+        if arena.format.quantized:
+            return QuantizedPagedKVCache(arena, layer, layout)
+        return PagedKVCache(arena, layer, layout)
 
     def __init__(self, arena: KVArena, layer: int, layout: BatchLayout) -> None:
         self.arena = arena
@@ -329,3 +408,42 @@ class PagedKVCache:
         block_size = self.arena.block_size
         fetched = pool.reshape(-1, block_size * dim)[layout.read_rows]  # [B, H, K, bs * D]
         return fetched.reshape(batch, heads, layout.num_read_blocks * block_size, dim)
+
+
+class QuantizedPagedKVCache(PagedKVCache):
+    """The paged view of a quantized arena. ``bits`` and ``group_size`` are what mlx_lm's
+    ``scaled_dot_product_attention`` looks for: it then attends with
+    ``quantized_scaled_dot_product_attention`` over the (packed, scales, biases) tuples
+    ``update_and_fetch`` returns, as over its own ``QuantizedKVCache``. New K/V are quantized
+    before they are attended to, so a token's own key is read back quantized, as there."""
+
+    @property
+    def bits(self) -> int:
+        return self.arena.format.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.arena.format.group_size
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
+        return self._write_read(self.arena.keys, keys), self._write_read(self.arena.values, values)
+
+    def _write_read(self, pools: list[mx.array], new: mx.array) -> tuple[mx.array, ...]:
+        arena, layout = self.arena, self.layout
+        batch, heads, _, dim = new.shape
+        packed, scales, biases = mx.quantize(
+            new.reshape(-1, dim), group_size=self.group_size, bits=self.bits
+        )
+        words = packed.shape[-1]
+        rows = mx.concatenate(
+            [packed, mx.concatenate([scales, biases], axis=-1).view(mx.uint32)], axis=-1
+        )
+        pool = pools[self.layer]
+        pool[layout.write_rows] = rows
+        pools[self.layer] = pool
+        bs, width = arena.block_size, arena.width
+        fetched = pool.reshape(-1, bs * width)[layout.read_rows]  # [B, H, K, bs * width]
+        fetched = fetched.reshape(batch, heads, layout.num_read_blocks * bs, width)
+        groups = dim // self.group_size
+        affine = fetched[..., words:].view(arena.dtype)
+        return fetched[..., :words], affine[..., :groups], affine[..., groups:]

@@ -34,9 +34,9 @@ class KVFiles:
 
     @cached_property
     def kv_spec(self) -> persistence.KVSpec:
-        """What this engine's KV is (model fingerprint, block size, dtype): a KV file saved
-        for another spec is refused."""
-        return persistence.KVSpec.of(self.model, self.allocator.block_size)
+        """What this engine's KV is (model fingerprint, block size, dtype, kv_bits and group
+        size): a KV file saved for another spec is refused."""
+        return persistence.KVSpec.of(self.model, self.allocator.block_size, self.kv_format)
 
     def _restorable(
         self, request_id: str, path: str | Path, prompt: list[int], params: SamplingParams

@@ -30,7 +30,7 @@ from harness.engine.beam_search import BeamGroup
 from harness.engine.clock import Clock, VirtualClock
 from harness.engine.forks import Forks
 from harness.engine.intake import Intake, Params
-from harness.engine.kv_cache import HostBlocks, KVArena
+from harness.engine.kv_cache import UNQUANTIZED, HostBlocks, KVArena, KVFormat
 from harness.engine.kv_files import KVFiles
 from harness.engine.model_runner import Forward, ModelRunner, Row, Runner, Work
 from harness.engine.modelled import step_features
@@ -73,6 +73,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         record: bool = True,
         pipeline: bool = False,
         logprobs_mode: LogprobsMode = "raw_logprobs",
+        kv_format: KVFormat = UNQUANTIZED,
     ) -> None:
         """``logprobs_mode`` (vLLM's, engine-wide as there): what ``SamplingParams.logprobs``
         report, raw (before any processing, the default) or processed (what the token was
@@ -80,7 +81,8 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         ``window``: the sliding-window layers' group of a model that has them
         (harness/engine/window.py; ``build_engine`` makes it). ``runner``: what runs the
         rows and moves blocks (harness/engine/model_runner.py's ``Runner``); by default the
-        model itself over an arena of ``allocator``'s blocks.
+        model itself over an arena of ``allocator``'s blocks, stored in ``kv_format``
+        (engine.kv_bits: 16, or quantized to 8 or 4 bits, harness/engine/kv_cache.py).
 
         ``pipeline``: steps one deep (harness/engine/pipeline.py), off by default. On MLX's
         CPU build async_eval returns only when all but the graph's last few dozen ops have
@@ -114,8 +116,9 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         self.seed = seed
         self.logprobs_mode = logprobs_mode
         self.pipeline = pipeline
+        self.kv_format = kv_format
         if runner is None:
-            arena = KVArena.for_model(model, allocator.num_blocks, allocator.block_size)
+            arena = KVArena.for_model(model, allocator.num_blocks, allocator.block_size, kv_format)
             runner = ModelRunner(model, arena, window)
         self.runner = runner
         self.proposer = proposer  # proposes drafts, when speculating

@@ -248,7 +248,7 @@ class ModelRunner:
             if windowed:
                 caches.append(WindowKVCache(self.window.arena, i, ring, self.window.window))
             else:
-                caches.append(PagedKVCache(self.arena, i, layout))
+                caches.append(PagedKVCache.over(self.arena, i, layout))
         hidden = self.body(inputs, cache=caches)
         if not picks:
             return None

@@ -1,13 +1,17 @@
 """KV save and restore: a sequence's KV blocks in a safetensors file, checked before reuse.
 
 A file holds the KV of a sequence's first ``len(token_ids)`` tokens, block by block as the
-arena swaps them out (``HostBlocks``), in the model's dtype::
+arena swaps them out (``HostBlocks``), in the model's dtype, or as uint32 words of quantized
+rows (harness/engine/kv_cache.py)::
 
     keys.<layer>, values.<layer>   [num_blocks, ...]   block i holds tokens i*bs .. (i+1)*bs-1
     metadata (all strings)
       format       "kvbench-kv/1"
       token_ids    JSON list of the tokens whose KV the blocks hold
       block_size   tokens per block
+      kv_bits      16 (the model's dtype), 8 or 4 (engine.kv_bits); a file without it (written
+                   before quantized arenas existed) is 16
+      kv_group_size  values per scale and bias when quantized (engine.kv_group_size)
       model        the model's name, for messages
       fingerprint  model_fingerprint(): architecture, KV geometry, dtype, a sample of every
                    weight tensor (hashed)
@@ -18,8 +22,9 @@ The block layout is ``HostBlocks``'s (the arena's swap format): a change to it i
 
 ``load`` refuses a file it cannot trust, raising ``KVFileError`` with one line that names the
 file and the reason: unreadable (missing, not safetensors, truncated), not a kvbench KV file,
-another block size, another model or dtype, tensors that do not match their checksum or
-their token count. The engine then warns (``KVRestoreWarning``) and computes the prompt.
+another block size, another kv_bits or group size, another model or dtype, tensors that do
+not match their checksum or their token count. The engine then warns (``KVRestoreWarning``)
+and computes the prompt.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from allocators.base import blocks_for
-from harness.engine.kv_cache import RAW_BITS, HostBlocks
+from harness.engine.kv_cache import RAW_BITS, UNQUANTIZED, HostBlocks, KVFormat
 from harness.platform.models import LoadedModel
 
 FORMAT = "kvbench-kv/1"
@@ -58,11 +63,17 @@ class KVSpec:
     model: str
     fingerprint: str
     block_size: int
-    dtype: mx.Dtype
+    dtype: mx.Dtype  # the stored rows': the model's, or uint32 when quantized
+    kv_format: KVFormat = UNQUANTIZED
 
     @classmethod
-    def of(cls, model: LoadedModel, block_size: int) -> KVSpec:
-        return cls(model.name, model_fingerprint(model), block_size, model.dtype)
+    def of(cls, model: LoadedModel, block_size: int, kv_format: KVFormat = UNQUANTIZED) -> KVSpec:
+        dtype = mx.uint32 if kv_format.quantized else model.dtype
+        return cls(model.name, model_fingerprint(model), block_size, dtype, kv_format)
+
+    def describe(self) -> str:
+        """The format as metadata says it: ``kv_bits=8 (group size 64)``."""
+        return _format_name(str(self.kv_format.bits), str(self.kv_format.group_size))
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,8 @@ def save(path: str | Path, spec: KVSpec, token_ids: Sequence[int], blocks: HostB
         "format": FORMAT,
         "token_ids": json.dumps(list(token_ids)),
         "block_size": str(spec.block_size),
+        "kv_bits": str(spec.kv_format.bits),
+        "kv_group_size": str(spec.kv_format.group_size),
         "model": spec.model,
         "fingerprint": spec.fingerprint,
         "checksum": _checksum(raw),
@@ -134,6 +147,12 @@ def load(path: str | Path, spec: KVSpec) -> SavedKV:
         raise KVFileError(
             f"KV file {path} was saved with block_size={meta.get('block_size')}, this engine "
             f"uses {spec.block_size}: restore it with the same engine.block_size"
+        )
+    saved = _format_name(meta.get("kv_bits", "16"), meta.get("kv_group_size", ""))
+    if saved != spec.describe():
+        raise KVFileError(
+            f"KV file {path} was saved with {saved}, this engine stores {spec.describe()}: "
+            "restore it with the same engine.kv_bits and engine.kv_group_size"
         )
     if meta.get("fingerprint") != spec.fingerprint:
         raise KVFileError(
@@ -181,6 +200,11 @@ def _checksum(raw: dict[str, np.ndarray]) -> str:
     for name in sorted(raw):
         digest.update(memoryview(np.ascontiguousarray(raw[name])))
     return digest.hexdigest()
+
+
+def _format_name(bits: str, group_size: str) -> str:
+    """``kv_bits=16``, or ``kv_bits=8 (group size 64)``: the group size matters only then."""
+    return f"kv_bits={bits}" if bits == "16" else f"kv_bits={bits} (group size {group_size})"
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from allocators.base import BlockAllocator
-from harness.engine.kv_cache import KVArena
+from harness.engine.kv_cache import UNQUANTIZED, KVArena, KVFormat
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.request import Sequence as Seq
 from harness.engine.sampling import (
@@ -214,14 +214,18 @@ class Proposer(Protocol):
 class DraftProposer:
     """Runs the draft model over its own paged KV arena and proposes tokens per sequence.
 
-    ``allocator``: the draft's, owned by the scheduler; the proposer reads its tables."""
+    ``allocator``: the draft's, owned by the scheduler; the proposer reads its tables.
+    ``kv_format``: how its arena stores K and V (the target's: engine.kv_bits applies to
+    both, and the byte budget pays for both at it)."""
 
     runs_model = True
 
-    def __init__(self, draft: LoadedModel, allocator: BlockAllocator) -> None:
+    def __init__(
+        self, draft: LoadedModel, allocator: BlockAllocator, kv_format: KVFormat = UNQUANTIZED
+    ) -> None:
         self.model = draft
         self.allocator = allocator
-        self.arena = KVArena.for_model(draft, allocator.num_blocks, allocator.block_size)
+        self.arena = KVArena.for_model(draft, allocator.num_blocks, allocator.block_size, kv_format)
         self.runner = ModelRunner(draft, self.arena)
 
     def propose(self, work: Sequence[Scheduled], row_for: RowFor) -> list[Proposal]:

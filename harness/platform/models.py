@@ -102,15 +102,33 @@ class LoadedModel:
             "window": self.window,
         }
 
-    def layer_bytes_per_token(self) -> int:
-        """Bytes of K and V that one token occupies in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.size
+    def layer_bytes_per_token(self, bits: int = 16, group_size: int = 64) -> int:
+        """Bytes of K and V that one token occupies in one layer, stored at ``bits``
+        (``kv_row_bytes``: 16 is the model's dtype as is)."""
+        row = kv_row_bytes(self.head_dim, self.dtype, bits, group_size)
+        return 2 * self.num_kv_heads * row
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self, bits: int = 16, group_size: int = 64) -> int:
         """Bytes of K and V that one token occupies across the full-attention layers (all
         layers of a model without windows; a window layer's KV is capped, see
-        harness/engine/window.py)."""
-        return len(self.full_layers) * self.layer_bytes_per_token()
+        harness/engine/window.py), stored at ``bits``."""
+        return len(self.full_layers) * self.layer_bytes_per_token(bits, group_size)
+
+
+KV_BITS = (16, 8, 4)  # engine.kv_bits: 16 is the model's dtype, 8 and 4 mx.quantize's
+
+
+def kv_row_bytes(head_dim: int, dtype: mx.Dtype, bits: int = 16, group_size: int = 64) -> int:
+    """Bytes of one head's K (or V) of one token as the KV arena stores it.
+
+    ``bits=16``: ``head_dim`` values in the model's ``dtype`` (4 bytes each for float32: 16
+    names "not quantized"). 8 or 4: group-wise affine quantization as ``mx.quantize`` and
+    mlx_lm's ``QuantizedKVCache`` do it, along ``head_dim`` in groups of ``group_size``:
+    ``head_dim * bits / 8`` bytes of packed values (uint32 words) plus a scale and a bias in
+    ``dtype`` per group, all counted."""
+    if bits == 16:
+        return head_dim * dtype.size
+    return head_dim * bits // 8 + 2 * (head_dim // group_size) * dtype.size
 
 
 def random_model(

@@ -205,6 +205,8 @@ def test_launcher_configs_name_an_importable_launcher(launcher: str) -> None:
         (["sampling.temperature=hot"], r"sampling\.temperature='hot' must be float"),
         (["+sampling.max_tokens=3"], r"sampling\.max_tokens is set from the harness"),
         (["engine.kv_cache_bytes=1000000"], r"set exactly one.*engine\.num_blocks=null"),
+        (["engine.kv_bits=2"], r"engine\.kv_bits=2 must be one of 16, 8, 4"),
+        (["engine.kv_group_size=16"], r"engine\.kv_group_size=16 must be one of 32, 64, 128"),
         (["+allocator.num_blocks=4"], r"allocator\.num_blocks is set from the harness"),
         (["+scheduler.max_model_len=9"], r"scheduler\.max_model_len is set from engine\.max_m"),
         (

@@ -4,8 +4,10 @@
 [OVERRIDES]``
 
 The trace, model and engine settings are kvbench's own config composed with
-``experiment=padding_waste`` and OVERRIDES (e.g. ``trace.num_requests=8``); every request is
-handed over at t=0. Side by side in one process, each system replays it greedily, EOS ignored:
+``experiment=padding_waste`` and OVERRIDES (e.g. ``trace.num_requests=8``, ``model=smollm2``,
+``trace=chat``); every request is handed over at t=0. Side by side in one process, each system
+replays it greedily, EOS ignored unless the trace's requests heed it (``trace=chat``: the model's
+EOS ends each answer in both systems, so output lengths are the model's own):
 
     BatchGenerator  mlx_lm's continuous batching (completion_batch_size = scheduler.max_num_seqs,
                     its other defaults): each batch's per-layer cache is one left-padded
@@ -25,7 +27,8 @@ Memory, time-weighted over the replay, in MiB of K and V over all layers:
                replay (the weights), time-weighted: buffers a sliced cache still pins count here,
                not in ``allocated``. kvbench reserves its whole arena up front (printed).
 
-Throughput is (prompt + output tokens) / wall seconds of the replay, the fastest of
+Throughput is (prompt + output tokens) / wall seconds of the replay (``output`` the tokens the
+system produced: the trace's lengths, or fewer when EOS ends answers), the fastest of
 ``--rounds`` (memory figures are the last round's; they barely move between rounds). ``--csv``
 also writes one row per system (bytes and tokens/s, unrounded).
 """
@@ -39,17 +42,17 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, StopSequences
 from omegaconf import DictConfig
 
-from harness.analysis.metrics import steps_frame
+from harness.analysis.metrics import requests_frame, steps_frame
 from harness.bench._components import build, compose_config
 from harness.cli.replay import replay
 from harness.cli.run import warm_up
 from harness.engine import LLMEngine
 from harness.workload.traces import Trace
 
-FIELDS = ("allocated", "tokens", "peak_allocated", "active", "tokens_per_s")
+FIELDS = ("allocated", "tokens", "peak_allocated", "active", "tokens_per_s", "output_tokens")
 EXPERIMENT = "experiment=padding_waste"  # composed under every run's overrides
 MIB = 2**20
 
@@ -63,6 +66,7 @@ class Memory:
     peak_allocated: float
     tokens_per_s: float
     active: float = float("nan")  # BatchGenerator: active MLX memory above the weights
+    output_tokens: int = 0  # tokens generated in all: the trace's, or the model's (EOS)
 
     @property
     def utilisation(self) -> float:
@@ -92,7 +96,11 @@ def cache_bytes(gen: BatchGenerator) -> tuple[int, int]:
 
 
 def run_batch_generator(cfg: DictConfig, model, trace: Trace) -> Memory:
-    """Replay ``trace`` (all at once) through BatchGenerator, sampling its caches per call."""
+    """Replay ``trace`` (all at once) through BatchGenerator, sampling its caches per call.
+
+    A request with ``ignore_eos`` False stops at the model's EOS, as kvbench's do."""
+    eos = StopSequences([(t,) for t in model.eos_token_ids] or None)
+    stops = [StopSequences() if r.ignore_eos else eos for r in trace.requests]
     gen = BatchGenerator(
         model.model,
         max_tokens=max(r.max_tokens for r in trace),
@@ -102,7 +110,9 @@ def run_batch_generator(cfg: DictConfig, model, trace: Trace) -> Memory:
     base = mx.get_active_memory()
     start = time.perf_counter()
     gen.insert(
-        [list(r.prompt_token_ids) for r in trace.requests], max_tokens=[r.max_tokens for r in trace]
+        [list(r.prompt_token_ids) for r in trace.requests],
+        max_tokens=[r.max_tokens for r in trace],
+        stop_sequences=stops,
     )
     weights, allocated, tokens, active = [], [], [], []
     done, left = 0, len(trace)
@@ -118,15 +128,17 @@ def run_batch_generator(cfg: DictConfig, model, trace: Trace) -> Memory:
         left -= sum(r.finish_reason is not None for r in generated)
     wall = time.perf_counter() - start
     gen.close()
-    if done != sum(r.max_tokens for r in trace):
-        raise AssertionError(f"BatchGenerator produced {done} tokens")
+    cap = sum(r.max_tokens for r in trace)
+    if done > cap or (done < cap and all(r.ignore_eos for r in trace)):
+        raise AssertionError(f"BatchGenerator produced {done} tokens, the trace asks {cap}")
     w = np.array(weights)
     return Memory(
         allocated=float(np.average(allocated, weights=w)),
         tokens=float(np.average(tokens, weights=w)),
         peak_allocated=float(max(allocated)),
-        tokens_per_s=_tokens(trace) / wall,
+        tokens_per_s=(_prompt_tokens(trace) + done) / wall,
         active=float(np.average(active, weights=w)),
+        output_tokens=done,
     )
 
 
@@ -144,6 +156,7 @@ def run_kvbench(cfg: DictConfig, model, trace: Trace) -> tuple[Memory, float]:
     replay(engine, trace, sampling=sampling, progress=False)
     wall = time.perf_counter() - start
     steps = steps_frame(engine.recorder.steps)
+    produced = int(requests_frame(engine.recorder.requests)["output_tokens"].sum())
     per_slot = model.kv_bytes_per_token()
     block = per_slot * engine.allocator.block_size
     w = steps["duration"]
@@ -151,13 +164,19 @@ def run_kvbench(cfg: DictConfig, model, trace: Trace) -> tuple[Memory, float]:
         allocated=float(np.average(steps["blocks_used"], weights=w)) * block,
         tokens=float(np.average(steps["slots_tokens"], weights=w)) * per_slot,
         peak_allocated=float(steps["blocks_used"].max()) * block,
-        tokens_per_s=_tokens(trace) / wall,
+        tokens_per_s=(_prompt_tokens(trace) + produced) / wall,
+        output_tokens=produced,
     )
     return memory, engine.allocator.num_blocks * block
 
 
+def _prompt_tokens(trace: Trace) -> int:
+    return sum(len(r.prompt_token_ids) for r in trace.requests)
+
+
 def _tokens(trace: Trace) -> int:
-    return sum(len(r.prompt_token_ids) + r.max_tokens for r in trace.requests)
+    """Prompt tokens plus the most output the trace allows (its lengths when EOS is ignored)."""
+    return _prompt_tokens(trace) + sum(r.max_tokens for r in trace.requests)
 
 
 def measure(
@@ -208,20 +227,20 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     results, facts = measure(args.overrides, args.allocators.split(","), args.rounds)
     print(
-        f"{facts['model']}, {facts['requests']} requests ({facts['tokens']} tokens) at t=0, "
-        f"{facts['max_num_seqs']} running at most; kvbench arena {facts['arena_mib']:.1f} MiB "
-        f"reserved, block size {facts['block_size']}"
+        f"{facts['model']}, {facts['requests']} requests ({facts['tokens']} tokens at most) "
+        f"at t=0, {facts['max_num_seqs']} running at most; kvbench arena "
+        f"{facts['arena_mib']:.1f} MiB reserved, block size {facts['block_size']}"
     )
     print(
         f"{'system':<16} {'allocated':>10} {'tokens':>8} {'util':>6} {'peak':>8} "
-        f"{'active':>8} {'tok/s':>8}   (MiB, time-weighted; peak: allocated)"
+        f"{'active':>8} {'tok/s':>8} {'output':>7}   (MiB, time-weighted; peak: allocated)"
     )
     for name, m in results.items():
         active = "" if np.isnan(m.active) else f"{m.active / MIB:.2f}"
         print(
             f"{name:<16} {m.allocated / MIB:>10.2f} {m.tokens / MIB:>8.2f} "
             f"{m.utilisation:>6.1%} {m.peak_allocated / MIB:>8.2f} {active:>8} "
-            f"{m.tokens_per_s:>8.0f}"
+            f"{m.tokens_per_s:>8.0f} {m.output_tokens:>7}"
         )
     if args.csv:
         with open(args.csv, "w", newline="") as f:

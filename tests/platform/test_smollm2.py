@@ -30,7 +30,9 @@ def test_the_folder_is_in_mlx_lm_format_and_mlx_lm_loads_it_unmodified(smollm2, 
     assert config["model_type"] == "llama" and config["rope_traditional"] is True
     assert (config["num_hidden_layers"], config["hidden_size"]) == (30, 576)
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
-    assert config["eos_token_id"] == 2 and "quantization" not in config  # float32 on a CPU
+    assert config["eos_token_id"] == 2
+    # weights=auto: 4-bit on a GPU (Metal, CUDA), dequantized to float32 on a CPU
+    assert ("quantization" in config) == (smol.default_weights() == "quantized")
     model, tokenizer = mlx_lm.load(str(folder))
     text = generate(model, tokenizer, "The capital of France is", max_tokens=3)
     assert text.lstrip().startswith("Paris")

@@ -1,11 +1,10 @@
 """Sampling parameters (the low-level design seed's fields) and the batched sampler.
 
-A step samples all its rows at once: penalties and bans, temperature, top-k, top-p and
-min-p are whole-batch array operations (per-row values as vectors), then one inverse-CDF
-draw per row. Randomness stays per request: each sampling row draws its one uniform from
-its own ``numpy.random.Generator`` (seeded from ``SamplingParams.seed``), so a request's
-tokens depend on its seed, never on what it was batched with. Greedy rows without
-penalties, bans or logprobs are one ``mx.argmax``.
+A step samples all its rows at once: penalties and bans, then temperature, min-p, top-k and
+top-p, then one inverse-CDF draw per row. Randomness stays per request: each sampling row
+draws its one uniform from its own ``numpy.random.Generator`` (seeded from
+``SamplingParams.seed``), so a request's tokens depend on its seed, never on what it was
+batched with. Greedy rows without penalties, bans or logprobs are one ``mx.argmax``.
 
 Logprobs follow vLLM v1. Each sampled token gets a dict token id -> ``Logprob(logprob,
 rank)``: the sampled token (rank: how many tokens score at least as high, 1 = the best;
@@ -20,9 +19,10 @@ at -inf (``Sampler.sample`` and ``TopKTopPSampler.forward_native``,
 ``vllm/v1/sample/sampler.py`` and ``ops/topk_topp_sampler.py``); a greedy row's processed
 values are its penalised logits, as vLLM returns them before temperature for greedy rows.
 
-The batched math is written once against an array module ``xp``: MLX where it runs on a GPU
-(the logits never leave the device), numpy on MLX's CPU build, where numpy's vectorised
-``exp`` measured 5x faster than MLX's (``python -m harness.bench sampling``).
+Penalties are written once against an array module ``xp``: MLX where it runs on a GPU (the
+logits never leave the device), numpy on MLX's CPU build, where numpy's ``exp`` measured 5x
+faster than MLX's (``python -m harness.bench sampling``). The filters are batched whole-row
+MLX arrays on a GPU; on numpy they look at each row's candidates first (``kept_tokens``).
 """
 
 from __future__ import annotations
@@ -192,30 +192,39 @@ def sample(
         return [Sampled(t) for t in mx.argmax(logits, axis=-1).tolist()]
     xp = mx if mx.default_device().type == mx.DeviceType.gpu else np
     table = logits.astype(mx.float32)
-    adjusted = adjust(table if xp is mx else np.array(table), rows)
+    adjusted = adjust(table if xp is mx else np.asarray(table), rows)
     tokens = [0] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     draw = [i for i, r in enumerate(rows) if not r.params.greedy]
     if greedy:
         for i, token in zip(greedy, _to_list(_take(adjusted, greedy).argmax(axis=-1)), strict=True):
             tokens[i] = token
-    probs = None
+    kept: dict[int, np.ndarray] = {}  # a drawing row's kept token ids
     if draw:
-        probs = filtered(_take(adjusted, draw), [rows[i].params for i in draw])
-        uniforms = np.array([rows[i].rng.random() for i in draw], dtype=np.float32)
-        for i, token in zip(draw, _to_list(draw_tokens(probs, uniforms)), strict=True):
-            tokens[i] = token
+        params = [rows[i].params for i in draw]
+        uniforms = np.array([rows[i].rng.random() for i in draw])
+        if xp is np:
+            for i, (ids, probs), u in zip(
+                draw, kept_tokens(_take(adjusted, draw), params), uniforms, strict=True
+            ):
+                tokens[i], kept[i] = _draw(ids, probs, u), ids
+        else:
+            probs = filtered(_take(adjusted, draw), params)
+            drawn = _to_list(draw_tokens(probs, uniforms))
+            for j, (i, token) in enumerate(zip(draw, drawn, strict=True)):
+                tokens[i] = token
+                if rows[i].params.logprobs is not None:
+                    kept[i] = np.flatnonzero(np.asarray(_take(probs, [j]))[0])
     out = []
     for i, row in enumerate(rows):
         n = row.params.logprobs
         if n is None:
             out.append(Sampled(tokens[i]))
             continue
-        kept = None if row.params.greedy else np.asarray(_take(probs, [draw.index(i)]))[0] > 0
         values = logprob_values(
             np.asarray(_take(table, [i]))[0],
             np.asarray(_take(adjusted, [i]))[0],
-            kept,
+            kept.get(i),
             row.params,
             logprobs_mode,
         )
@@ -231,14 +240,16 @@ def logprob_values(
     mode: LogprobsMode,
 ) -> np.ndarray:
     """One row's values that ``mode`` reports, from its ``raw`` logits, its ``adjusted``
-    (penalised, banned) logits and, for a sampling row, the tokens its filters ``kept``
-    (a token whose probability underflows float32 counts as filtered: it cannot be drawn)."""
+    (penalised, banned) logits and, for a sampling row, the tokens its filters ``kept`` (a
+    mask or their ids; a token whose probability underflows float32 counts as filtered: it
+    cannot be drawn)."""
     if mode.startswith("raw"):
         values = raw.astype(np.float64)
     elif params.greedy:
         values = adjusted.astype(np.float64)
     else:
-        values = np.where(kept, adjusted.astype(np.float64) / params.temperature, -np.inf)
+        values = np.full(adjusted.shape, -np.inf)
+        values[kept] = adjusted[kept].astype(np.float64) / params.temperature
     return values if mode.endswith("logits") else values - _logsumexp(values)
 
 
@@ -289,125 +300,185 @@ def adjust(logits, rows: Sequence[SampleRow]):
 
 
 def filtered(logits, params: Sequence[SamplingParams]):
-    """Temperature, then min-p, then top-k and top-p (vLLM v1's order), per row: unnormalised
-    probabilities of a batch [len(params), vocab] of adjusted logits (numpy or MLX). Top-p
-    keeps the smallest head of the sorted distribution whose mass reaches ``top_p`` (ties at
-    its edge kept)."""
-    xp = _xp(logits)
+    """Temperature, then min-p, then top-k and top-p (vLLM v1's order), per row of a batch
+    [len(params), vocab] of adjusted logits (numpy or MLX): the unnormalised probabilities
+    exp((logit - max) / temperature), float32, with the filtered tokens at 0. Min-p keeps the
+    tokens at least ``min_p`` times as probable as the most probable one; top-k the ``top_k``
+    most probable; top-p the smallest head of the sorted distribution whose mass reaches
+    ``top_p`` of the row's (after min-p and top-k); ties at an edge are kept. On numpy the
+    masses are summed in float64; MLX on a GPU (no float64) sums in float32, so a nucleus
+    whose edge lies within float32 rounding of ``top_p`` can end one token apart."""
+    if _xp(logits) is mx:
+        return _filtered_mlx(logits, params)
+    probs = np.zeros(logits.shape, dtype=np.float32)
+    for r, (ids, values) in enumerate(kept_tokens(logits, params)):
+        probs[r, ids] = values
+    return probs
+
+
+# Top-k's and top-p's edges are looked for among each row's candidates: the tokens within
+# TAIL nats (at the row's temperature) of its most probable one, a few hundred on a served
+# model's peaked rows. A token left out weighs at most TAIL_MASS (e^-16, with room for
+# float32 rounding) of the most probable, and at most FAR_MASS beyond FAR nats: counting
+# both bounds their mass. Where that bound straddles top-p's edge, the row's exact total is
+# taken; where an edge could lie among the tokens left out, the whole row. Either way the
+# result is the whole row's computation, bit for bit. A flat row (more than 1/FLAT of its
+# tokens candidates) is done whole at once: its exps cost less than picking them out.
+TAIL, FAR = 16.0, 24.0
+TAIL_MASS, FAR_MASS = math.exp(-TAIL + 1e-3), math.exp(-FAR + 1e-3)
+FLAT = 8
+HEAD = 64  # candidates sorted first, four times more while an edge lies beyond them
+SUM_ERROR = 1e-9  # bounds two float64 sums of the same values in different orders, relative
+
+
+def kept_tokens(logits: np.ndarray, params: Sequence[SamplingParams]) -> list[tuple]:
+    """``filtered`` for numpy logits [rows, vocab], as (token ids ascending, probabilities)
+    per row: the tokens with nonzero probability alone."""
     vocab = logits.shape[-1]
-    column = partial(_column, xp, logits.dtype)
-    scaled = logits / column([p.temperature for p in params])  # a new array, ours to change
-    if xp is np:
-        # In place: a fresh temporary as big as the batch costs its page faults each step
-        # (glibc hands freed big blocks back to the OS), several times the arithmetic.
-        scaled -= scaled.max(axis=-1, keepdims=True)
-        probs = np.exp(scaled, out=scaled)
+    top = logits.max(axis=-1)
+    temperature = np.array([p.temperature for p in params], dtype=np.float32)
+    candidates: list[tuple | None] = [None] * len(params)
+    narrow = [r for r, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+    if narrow:
+        rows = _take(logits, narrow)
+        near, far = (
+            rows >= (top[narrow] - np.float32(nats) * temperature[narrow])[:, None]
+            for nats in (TAIL, FAR)
+        )
+        for i, r in enumerate(narrow):
+            n = np.count_nonzero(near[i])
+            if n * FLAT <= vocab:
+                beyond = np.count_nonzero(far[i]) - n
+                left_out = beyond * TAIL_MASS + (vocab - n - beyond) * FAR_MASS
+                candidates[r] = (np.flatnonzero(near[i]), left_out)
+    return [
+        _kept_row(logits[r], top[r], temperature[r], p, candidates[r]) for r, p in enumerate(params)
+    ]
+
+
+def _kept_row(logits: np.ndarray, top, temperature, params: SamplingParams, candidates):
+    """One row of ``kept_tokens`` from its candidates (token ids, a bound on the mass of the
+    tokens left out), or from all its tokens (None)."""
+    vocab = logits.size
+    top_k = params.top_k if 0 < params.top_k < vocab else 0
+    if candidates is None:
+        ids = np.arange(vocab)
+        probs = _probs(logits, top, temperature, params.min_p)
+        total = probs.sum(dtype=np.float64) if params.top_p < 1 else 0.0
+        floor = _floor(probs, top_k, params.top_p, (total, total), partial=False)
     else:
-        probs = mx.exp(scaled - scaled.max(axis=-1, keepdims=True))
-    min_p = [p.min_p for p in params]
-    if max(min_p) > 0:
-        probs = _zero_below(xp, probs, column(min_p) * probs.max(axis=-1, keepdims=True))
-    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]  # 0: no top-k
-    top_p = [p.top_p for p in params]
-    if max(top_k) > 0 or min(top_p) < 1.0:
-        probs = _top_k_top_p(probs, np.array(top_k), np.array(top_p))
+        ids, left_out = candidates
+        probs = _probs(logits[ids], top, temperature, params.min_p)
+        left_out = 0.0 if params.min_p > TAIL_MASS else left_out
+        mass = probs.sum(dtype=np.float64)
+        bounds = (mass * (1 - SUM_ERROR), (mass + left_out) * (1 + SUM_ERROR))
+        floor = _floor(probs, top_k, params.top_p, bounds, partial=left_out > 0)
+        if floor is None and left_out:
+            total = _probs(logits, top, temperature, params.min_p).sum(dtype=np.float64)
+            floor = _floor(probs, top_k, params.top_p, (total, total), partial=True)
+        if floor is None:
+            return _kept_row(logits, top, temperature, params, None)
+    kept = probs >= floor if floor > 0 else probs > 0
+    if np.count_nonzero(kept) == kept.size:  # cheaper than listing them all
+        return ids, probs
+    keep = np.flatnonzero(kept)
+    return ids[keep], probs[keep]
+
+
+def _probs(logits: np.ndarray, top, temperature, min_p: float) -> np.ndarray:
+    """exp((logit - max) / temperature), float32, min-p applied: the same values whichever
+    tokens ``logits`` holds."""
+    probs = np.exp((logits - top) / temperature)
+    if min_p > 0:
+        probs[probs < min_p] = 0.0
     return probs
 
 
-# Top-k's edge and top-p's nucleus are looked for among each row's most probable tokens
-# first (at least this many); only a row they do not settle sorts its whole vocabulary.
-CANDIDATES = 4096
+def _floor(probs: np.ndarray, top_k: int, top_p: float, mass: tuple, partial: bool):
+    """The least probability top-k (``top_k`` 0: none) and top-p keep among ``probs``, 0 when
+    they keep everything. ``mass`` bounds the row's total (low, high: equal when exact);
+    ``partial``: tokens with mass, each at most TAIL_MASS, are left out of ``probs``. None
+    when the bounds, or the tokens left out, could move an edge."""
+    if not top_k and top_p == 1.0:
+        return 0.0
+    n = probs.size
+    if top_k > n:  # the kth is among the tokens left out, or is a 0
+        if partial:
+            return None
+        top_k = 0
+    size = max(HEAD, top_k, 0 if partial else n // 64)
+    while True:
+        size = min(size, n)
+        head = np.sort(np.partition(probs, n - size)[n - size :] if size < n else probs)[::-1]
+        kth = head[top_k - 1] if top_k else 0.0
+        if size < n and kth and head[-1] == kth:  # ties with the kth beyond the head
+            size *= 4
+            continue
+        if partial and kth and kth <= TAIL_MASS:
+            return None
+        if top_p == 1.0:
+            return kth
+        nucleus = head[head >= kth] if top_k else head
+        cum = np.cumsum(nucleus, dtype=np.float64)
+        # Top-k keeps nothing beyond the head, so the head's sum is the total.
+        low, high = (cum[-1], cum[-1]) if top_k else mass
+        below = int(np.searchsorted(cum, top_p * low))
+        if below != int(np.searchsorted(cum, top_p * high)):
+            return None
+        if below >= cum.size and size < n:  # the nucleus ends beyond the head
+            size *= 4
+            continue
+        if below >= cum.size and partial:
+            return None
+        cutoff = nucleus[min(below, cum.size - 1)]
+        return None if partial and cutoff <= TAIL_MASS else cutoff
 
 
-def _top_k_top_p(probs, top_k: np.ndarray, top_p: np.ndarray):
-    """``probs`` [rows, vocab] with top-k and top-p applied (``top_k`` 0: none), as the full
-    sort of each row decides them, the mass running in float32 down the sorted row.
-
-    On numpy, from each row's ``size`` largest values (``np.partition``), sorted: they are
-    the head of the full sort, so their running sums are its, and so is the kth value. The
-    running total is the full sort's too when every value left out is below the kth (top-k
-    zeroes it) or below half a unit in the last place of the row's largest (a float sum that
-    starts there cannot move by it): then a nucleus that ends within the head ends where the
-    full sort's does. The other rows (a flat distribution) take the full sort, as MLX always
-    does."""
-    xp = _xp(probs)
-    vocab = probs.shape[-1]
-    size = max(CANDIDATES, int(top_k.max()))
-    if xp is mx or 2 * size > vocab:
-        return _apply_edges(xp, probs, *_sorted_edges(xp, probs, top_k, top_p))
-    head = np.sort(np.partition(probs, vocab - size, axis=-1)[:, vocab - size :], axis=-1)
-    kth, cutoff, below = _edges(np, head[:, ::-1], top_k, top_p)
-    reached = below[:, 0] < size  # the nucleus ends within the head
-    unseen = head[:, :1]  # the largest value left out is at most the head's smallest
-    negligible = probs.max(axis=-1, keepdims=True) * (np.finfo(probs.dtype).eps / 4)
-    settled = (top_p == 1.0) | (reached & (unseen < np.maximum(kth, negligible))[:, 0])
-    short = np.flatnonzero(~settled)
-    if short.size:
-        kth[short], cutoff[short] = _sorted_edges(np, probs[short], top_k[short], top_p[short])
-    return _apply_edges(np, probs, kth, cutoff)
-
-
-def _sorted_edges(xp, probs, top_k: np.ndarray, top_p: np.ndarray):
-    """(kth, cutoff) of ``_edges`` from the full sort of each row."""
-    kth, cutoff, _ = _edges(xp, -xp.sort(-probs, axis=-1), top_k, top_p)
-    return kth, cutoff
-
-
-def _edges(xp, desc, top_k: np.ndarray, top_p: np.ndarray):
-    """Per row [rows, 1], from ``desc``, the row's values sorted in descending order or the
-    head of them (at least ``top_k`` long): the kth value (0 without top-k), top-p's cutoff
-    (0 without top-p) and how many values of ``desc`` run below top-p's mass (the
-    nucleus ends at the next one)."""
-    k = _indices(xp, np.maximum(top_k, 1) - 1)
-    kth = xp.where(_indices(xp, top_k) > 0, xp.take_along_axis(desc, k, axis=-1), 0.0)
-    desc = xp.where(desc < kth, 0.0, desc)
-    cum = xp.cumsum(desc, axis=-1)
-    p = _column(xp, desc.dtype, top_p)
+def _filtered_mlx(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """``filtered`` on MLX: each row sorted in full, its mass summed in float32."""
+    vocab = logits.shape[-1]
+    column = partial(_column, dtype=logits.dtype)
+    temperature = column([p.temperature for p in params])
+    probs = mx.exp((logits - logits.max(axis=-1, keepdims=True)) / temperature)
+    probs = mx.where(probs < column([p.min_p for p in params]), 0.0, probs)
+    top_k = np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params])
+    top_p = np.array([p.top_p for p in params])
+    if top_k.max() == 0 and top_p.min() == 1.0:
+        return probs
+    desc = -mx.sort(-probs, axis=-1)
+    kth = mx.where(
+        _column(top_k, mx.int32) > 0,
+        mx.take_along_axis(desc, _column(np.maximum(top_k, 1) - 1, mx.int32), axis=-1),
+        0.0,
+    )
+    desc = mx.where(desc < kth, 0.0, desc)
+    cum = mx.cumsum(desc, axis=-1)
+    p = column(top_p)
     below = (cum < p * cum[:, -1:]).sum(axis=-1, keepdims=True)
-    last = xp.minimum(below, desc.shape[-1] - 1).astype(xp.int32)
-    cutoff = xp.take_along_axis(desc, last, axis=-1)
-    # Only rows that filter: with top_p = 1 a tail too small to move the float total
-    # would be cut, and a row's tokens would depend on what it is batched with.
-    cutoff = xp.where(p < 1.0, cutoff, 0.0)
-    return kth, cutoff, below
-
-
-def _apply_edges(xp, probs, kth, cutoff):
-    return _zero_below(xp, probs, xp.maximum(kth, cutoff))
-
-
-def _zero_below(xp, probs, floor):
-    """``probs`` with the values below ``floor`` (per row) set to 0, in place on numpy."""
-    if xp is mx:
-        return mx.where(probs < floor, 0.0, probs)
-    probs[probs < floor] = 0.0
-    return probs
+    cutoff = mx.take_along_axis(desc, mx.minimum(below, vocab - 1).astype(mx.int32), axis=-1)
+    cutoff = mx.where(p < 1.0, cutoff, 0.0)
+    return mx.where(probs < mx.maximum(kth, cutoff), 0.0, probs)
 
 
 def draw_tokens(probs, uniforms: np.ndarray):
-    """Inverse-CDF draw per row: the first token whose cumulative mass exceeds ``u x total``.
-    ``u`` is capped one float32 step below 1 (1 - 2^-23), so ``u x total`` stays below the
-    total and no zero-mass tail token can be drawn. On numpy, rows that filters left mostly
-    zero sum only their kept tokens: adding a zero changes no float sum, so the running
-    sums, and the token, are those of the whole row."""
-    xp = _xp(probs)
-    u = np.minimum(np.asarray(uniforms, dtype=np.float32), np.float32(1 - 2**-23))
-    vocab = probs.shape[-1]
-    if xp is np:
-        kept = np.flatnonzero(probs > 0)  # a mask: 30x faster than nonzero of floats
-        if 2 * kept.size <= probs.size:
-            rows = np.split(kept % vocab, np.searchsorted(kept, vocab * np.arange(1, len(u))))
-            return np.array([_draw_kept(*row) for row in zip(probs, rows, u, strict=True)])
-    cum = xp.cumsum(probs, axis=-1)
-    target = xp.array(u)[:, None] * cum[:, -1:]
-    return xp.minimum((cum <= target).sum(axis=-1), vocab - 1)
+    """Inverse-CDF draw per row of ``probs`` [rows, vocab] (numpy or MLX): the first token
+    whose running mass, in token-id order, exceeds ``u x total`` (the last token with mass
+    when rounding leaves none)."""
+    if _xp(probs) is np:
+        rows = [np.flatnonzero(row) for row in probs]
+        return np.array(
+            [_draw(ids, row[ids], u) for ids, row, u in zip(rows, probs, uniforms, strict=True)]
+        )
+    cum = mx.cumsum(probs, axis=-1)
+    target = mx.array(np.asarray(uniforms, dtype=np.float32))[:, None] * cum[:, -1:]
+    last = probs.shape[-1] - 1 - mx.argmax(probs[:, ::-1] > 0, axis=-1)
+    return mx.minimum((cum <= target).sum(axis=-1), last)
 
 
-def _draw_kept(probs: np.ndarray, kept: np.ndarray, u: np.float32) -> int:
-    """``draw_tokens`` of one row whose nonzero tokens are ``kept`` (ascending)."""
-    cum = np.cumsum(probs[kept])
-    below = int((cum <= u * (cum[-1] if kept.size else 0)).sum())
-    return int(kept[below]) if below < kept.size else probs.size - 1
+def _draw(ids: np.ndarray, probs: np.ndarray, u: float) -> int:
+    """``draw_tokens`` of one row whose tokens with mass are ``ids`` (ascending), in float64."""
+    cum = np.cumsum(probs, dtype=np.float64)
+    return int(ids[min(int(np.searchsorted(cum, u * cum[-1], side="right")), ids.size - 1)])
 
 
 def adjust_logits(logits: np.ndarray, row: SampleRow) -> np.ndarray:
@@ -424,13 +495,9 @@ def _xp(array):
     return mx if isinstance(array, mx.array) else np
 
 
-def _column(xp, dtype, values):
-    """Per-row values as a [rows, 1] column of ``dtype``."""
-    return xp.array(np.asarray(values)[:, None]).astype(dtype)
-
-
-def _indices(xp, values):
-    return xp.array(np.asarray(values, dtype=np.int32)[:, None])
+def _column(values, dtype=mx.float32) -> mx.array:
+    """Per-row values as an MLX column [rows, 1]."""
+    return mx.array(np.asarray(values)[:, None]).astype(dtype)
 
 
 def _extend(parts: tuple[list, list, list], row: int, ids: np.ndarray, values: np.ndarray) -> None:

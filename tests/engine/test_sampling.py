@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from harness.engine import sampling
@@ -20,7 +19,6 @@ from harness.engine.sampling import (
     sample,
 )
 
-SORTED_EDGES = sampling._sorted_edges
 CHI2_999_DOF3 = 16.266  # upper 0.1 % point: a correct sampler fails 1 run in 1000
 
 
@@ -139,55 +137,100 @@ def test_draws_follow_the_filtered_distribution():
     assert ((counts[p > 0] - expected) ** 2 / expected).sum() < CHI2_999_DOF3
 
 
-def _peaked_and_flat(vocab: int) -> np.ndarray:
-    """Rows of logits: peaked (a few tokens on top, the rest 30 below: too small to move a
-    float32 sum), peaked with a tail that does add up, flat (normal, scale 3), and ties."""
+def reference(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """``filtered``'s definition over one whole sorted row: float32 probabilities, min-p,
+    then top-k and top-p with masses summed in float64 (top-p's total: top-k's head when
+    top-k filters, else the row's sum), ties at the edges kept."""
+    probs = np.exp((logits - logits.max()) / np.float32(p.temperature))
+    probs[probs < p.min_p] = 0
+    desc = np.sort(probs)[::-1]
+    k = p.top_k if 0 < p.top_k < logits.size else 0
+    kth = desc[k - 1] if k else 0.0
+    cutoff = 0.0
+    if p.top_p < 1:
+        kept = desc[desc >= kth] if k else desc
+        cum = np.cumsum(kept, dtype=np.float64)
+        total = cum[-1] if k else probs.sum(dtype=np.float64)
+        cutoff = kept[min(np.searchsorted(cum, p.top_p * total), cum.size - 1)]
+    floor = max(kth, cutoff)
+    return np.where(probs >= floor if floor > 0 else probs > 0, probs, 0).astype(np.float32)
+
+
+VOCAB = 2048
+
+
+def _rows() -> np.ndarray:
+    """Logits, one row per way the candidates (tokens within sampling.TAIL nats of the top
+    at the row's temperature) can settle the edges; at temperature 1:
+    peaked     a few tokens on top, the rest 40 below: the candidates settle everything;
+    straddle   two tokens equally on top, 2,046 just beyond the candidates: their bound
+               straddles top-p 0.5's edge, their exact total settles it;
+    heavy      one token on top, the rest just beyond the candidates, together more than
+               1 - top_p of the mass: the nucleus ends among them (the whole row);
+    flat       normal, scale 3: every token a candidate;
+    ties       100 tokens tied on top."""
     rng = np.random.default_rng(2)
-    peaked = rng.normal(size=(3, vocab)) - 30
-    peaked[:, :5] = [[9, 8, 8, 7, 3], [9, 9, 9, 9, 9], [9, 2, 1, 0, 0]]
-    tail = rng.normal(size=(2, vocab)) * 0.5
-    tail[:, 0] = 6
-    flat = rng.normal(size=(3, vocab)) * 3
-    ties = np.zeros((2, vocab))
-    ties[:, :100] = 1.0
-    return np.concatenate([peaked, tail, flat, ties]).astype(np.float32)
+    peaked = rng.normal(size=VOCAB) - 40
+    peaked[:5] = [9, 8, 8, 7, 3]
+    straddle = np.full(VOCAB, -16.5)
+    straddle[:2] = 0
+    heavy = np.full(VOCAB, -16.5)
+    heavy[0] = 0
+    flat = rng.normal(size=VOCAB) * 3
+    ties = np.zeros(VOCAB)
+    ties[:100] = 1.0
+    return np.stack([peaked, straddle, heavy, flat, ties]).astype(np.float32)
 
 
 CANDIDATE_CASES = [
+    SamplingParams(top_p=0.5),
+    SamplingParams(top_p=0.99999),
     SamplingParams(temperature=0.8, top_p=0.9),
-    SamplingParams(temperature=1.0, top_p=0.999),
-    SamplingParams(temperature=0.8, top_k=50),
+    SamplingParams(temperature=0.8, top_k=50),  # more than the peaked row's candidates
     SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
     SamplingParams(temperature=0.7, top_k=300, top_p=0.5, min_p=0.01),
+    SamplingParams(temperature=1.2),
 ]
 
 
-@pytest.mark.parametrize(
-    "params", CANDIDATE_CASES, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}"
-)
-def test_candidates_give_the_full_sorts_probabilities_and_tokens(params, monkeypatch):
-    """Top-k and top-p from each row's 64 most probable tokens (sampling.CANDIDATES) leave
-    exactly what the full sort of the row leaves, on peaked rows (settled by the candidates)
-    and flat ones (the full sort's fallback); the draws are the dense cumulative sum's."""
-    vocab = 2048
-    logits = _peaked_and_flat(vocab)
-    batch = [params] * len(logits)
-    monkeypatch.setattr(sampling, "CANDIDATES", vocab)  # more than half the vocab: full sort
-    full = filtered(logits, batch)
-    monkeypatch.setattr(sampling, "CANDIDATES", 64)
-    fallback_rows = []
+def test_candidates_give_the_whole_rows_probabilities_and_tokens(monkeypatch):
+    """Top-k and top-p from each row's candidates leave exactly what the definition over the
+    whole sorted row leaves, whichever way the row settles (each way is counted and taken:
+    by the bound on the tokens left out, by the row's exact total, or over the whole row);
+    the draws are the inverse CDF of those probabilities, in float64."""
+    logits = _rows()
+    ways = set()
+    floor = sampling._floor
 
-    def sorted_edges(xp, probs, *args):
-        fallback_rows.append(len(probs))
-        return SORTED_EDGES(xp, probs, *args)
+    def counted(probs, top_k, top_p, mass, partial):
+        out = floor(probs, top_k, top_p, mass, partial)
+        ways.add(("whole row" if probs.size == VOCAB else "candidates", mass[0] == mass[1], out))
+        return out
 
-    monkeypatch.setattr(sampling, "_sorted_edges", sorted_edges)
-    fast = filtered(logits, batch)
-    np.testing.assert_array_equal(fast, full)
-    if params.top_p < 1:  # flat rows do not settle among 64 candidates; peaked ones do
-        assert 0 < sum(fallback_rows) < len(logits)
-    assert (fast > 0).sum(axis=-1).min() >= 1
-    for u in np.random.default_rng(3).random((20, len(logits))).astype(np.float32):
-        cum = np.cumsum(full, axis=-1)
-        dense = np.minimum((cum <= u[:, None] * cum[:, -1:]).sum(axis=-1), vocab - 1)
-        assert draw_tokens(fast, u).tolist() == dense.tolist()
+    monkeypatch.setattr(sampling, "_floor", counted)
+    uniforms = np.random.default_rng(3).random((10, len(logits)))
+    for params in CANDIDATE_CASES:
+        got = filtered(logits, [params] * len(logits))
+        want = np.stack([reference(row, params) for row in logits])
+        np.testing.assert_array_equal(got, want, err_msg=str(params))
+        cum = np.cumsum(want, axis=-1, dtype=np.float64)
+        for u in uniforms:
+            inverse_cdf = (cum <= u[:, None] * cum[:, -1:]).sum(axis=-1).tolist()
+            assert draw_tokens(got, u).tolist() == inverse_cdf
+    settled = {(where, exact) for where, exact, out in ways if out is not None}
+    assert ("candidates", False) in settled  # by the bound on the tokens left out
+    assert ("candidates", True) in settled  # by the row's exact total
+    assert ("candidates", True, None) in ways  # ... or not: done over the whole row
+    assert ("whole row", True) in settled
+
+
+def test_sample_draws_what_filtered_and_draw_tokens_give():
+    """``sample`` (the candidates' kept tokens, drawn) against ``filtered`` + ``draw_tokens``
+    on the same uniforms, for every case."""
+    logits = _rows()
+    for params in CANDIDATE_CASES:
+        for seed in range(5):
+            rows = [row(params, seed=seed) for _ in logits]
+            uniforms = np.array([make_rng(params, seed).random()] * len(logits))
+            want = draw_tokens(filtered(logits, [params] * len(logits)), uniforms).tolist()
+            assert [s.token for s in sample(mx.array(logits), rows)] == want

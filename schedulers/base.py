@@ -291,6 +291,7 @@ class Scheduler(ABC):
         ``accepted[seq]`` lists (those kept); the rejected drafts' slots are trimmed, in the
         target's arena and the draft's. A sequence that finished while its row computed
         (pipelined steps: it stopped on the previous step's token) is skipped."""
+        bs = self.allocator.block_size
         for s in plan.scheduled:
             seq = s.seq
             if seq.status is Status.FINISHED:
@@ -299,33 +300,32 @@ class Scheduler(ABC):
             if s.num_draft_tokens:
                 kept = accepted[seq]
                 seq.num_computed_tokens += len(kept) + 1
-                self._commit(seq, before, [*seq.token_ids, *kept])
+                if seq.num_computed_tokens // bs > before // bs:
+                    self._commit(seq, [*seq.token_ids, *kept])
                 self.allocator.trim(seq.request_id, seq.num_computed_tokens)
                 if self.draft is not None:
                     self.draft.rollback(seq.request_id, seq.num_computed_tokens)
             else:
-                seq.num_computed_tokens += s.num_new_tokens
-                self._commit(seq, before, seq.token_ids)
+                seq.num_computed_tokens = after = before + s.num_new_tokens
+                if after // bs > before // bs:
+                    self._commit(seq, seq.token_ids)
 
-    def _commit(self, seq: Request, before: int, token_ids: Sequence[int]) -> None:
+    def _commit(self, seq: Request, token_ids: Sequence[int]) -> None:
         """Tell the allocator about newly full blocks of written KV (prefix caches share
-        them); ``token_ids`` hold at least the computed tokens."""
-        bs = self.allocator.block_size
-        if seq.num_computed_tokens // bs > before // bs:
-            self.allocator.commit(seq.request_id, token_ids[: seq.num_computed_tokens])
+        them); ``token_ids`` hold at least the computed tokens. The allocator reads them
+        during the call only, so a decode's whole token list goes without a copy."""
+        n = seq.num_computed_tokens
+        self.allocator.commit(seq.request_id, token_ids if len(token_ids) == n else token_ids[:n])
 
     def stats(self) -> KVStats:
         """Memory and queues as the plan leaves them (the recorder's one view of both)."""
         alloc = self.allocator
+        num_tokens, held_slots, table = alloc.num_tokens, alloc.held_slots, alloc.block_table
         running = tuple(
             [
-                Holding(
-                    seq,
-                    alloc.num_tokens(seq.request_id),
-                    alloc.held_slots(seq.request_id),
-                    tuple(alloc.block_table(seq.request_id)),
-                )
+                Holding(seq, num_tokens(rid), held_slots(rid), tuple(table(rid)))
                 for seq in self.running
+                for rid in (seq.request_id,)
             ]
         )
         head = self.next_incoming()
@@ -448,19 +448,18 @@ class Scheduler(ABC):
         self, out: SchedulerOutput, budget: int, order: list[Request]
     ) -> tuple[int, bool]:
         """Grow running sequences; returns the budget left and whether memory ran out."""
-        queue = list(order)
+        queue = deque(order)
         pressure = False
+        allocate = self.allocator.allocate
         while queue and budget > 0:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             n = self._chunk(seq, budget)
             if n <= 0:
                 continue
-            while (
-                alloc := self.allocator.allocate(seq.request_id, seq.num_computed_tokens + n)
-            ) is None:
+            while (alloc := allocate(seq.request_id, seq.num_computed_tokens + n)) is None:
                 pressure = True
                 parked = [s for s in self.running if s in self.parked] if self.parked else []
-                victim = parked[-1] if parked else self._victim(queue + [seq])
+                victim = parked[-1] if parked else self._victim([*queue, seq])
                 if victim in queue:
                     queue.remove(victim)
                 self._preempt(victim, out)
@@ -576,7 +575,8 @@ class Scheduler(ABC):
 
     @staticmethod
     def _run(out: SchedulerOutput, seq: Request, n: int, alloc: Allocation, budget: int) -> int:
-        out.copies.extend(alloc.copies)
+        if alloc.copies:
+            out.copies.extend(alloc.copies)
         out.scheduled.append(Scheduled(seq, n))
         return budget - n
 

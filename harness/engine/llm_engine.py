@@ -39,7 +39,7 @@ from harness.engine.pipeline import Pipelined
 from harness.engine.recorder import Recorder
 from harness.engine.request import RequestOutput
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import LOGPROBS_MODES, LogprobsMode, Sampled, sample
+from harness.engine.sampling import LOGPROBS_MODES, LogprobsMode, sample
 from harness.engine.speculative import (
     Proposal,
     Proposer,
@@ -294,33 +294,39 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
 
     # -- inside a step -------------------------------------------------------------------
     def _rows(self, plan: SchedulerOutput) -> list[Row]:
-        """The runner's rows: each scheduled sequence's new tokens (and drafts to verify)."""
+        """The runner's rows: each scheduled sequence's new tokens (and drafts to verify).
+
+        Run once per sequence per step: what only some rows need (drafts, tokens carried
+        from the device, prompt logprobs, window rings) is looked up only when a step has
+        any of them."""
         spec = [s for s in plan.scheduled if s.num_draft_tokens]
         proposals = self.proposer.propose(spec, self._sample_row) if spec else []
         self._proposals = dict(zip([s.seq for s in spec], proposals, strict=True))
         inflight = {seq: k for seq, k in self._inflight}
+        table = self.allocator.block_table
+        window = self.window
         rows = []
         for s in plan.scheduled:
-            seq, start = s.seq, s.seq.num_computed_tokens
+            seq = s.seq
+            start, tokens = seq.num_computed_tokens, seq.token_ids
             end = start + s.num_new_tokens - s.num_draft_tokens
-            # A verification feeds the last token and the drafts, and wants logits for each.
-            drafts = self._proposals[seq].tokens if s.num_draft_tokens else []
+            last = end == len(tokens)
+            if s.num_draft_tokens:
+                # A verification feeds the last token and the drafts, and wants logits for
+                # each.
+                drafts = self._proposals[seq].tokens
+                fed = tokens[start:end] + drafts
+            else:
+                drafts, fed = (), tokens[start:end]
+            num_logits = 1 + len(drafts) if last else 0
             # The previous step's token, not yet on the host, is fed from the device (it is
             # the sequence's last; a recomputed prefix chunk that stops short never feeds it).
-            fed = seq in inflight and end == seq.num_tokens
-            carried = ((end - 1 - start, inflight[seq]),) if fed else ()
-            # Prompt logprobs want logits at the prompt positions before the sampling one.
-            num_prompt = len(prompt_positions(seq, s.num_new_tokens))
-            rows.append(
-                Row(
-                    tokens=seq.token_ids[start:end] + drafts,
-                    start=start,
-                    table=self.allocator.block_table(seq.request_id),
-                    num_logits=num_prompt + (1 + len(drafts) if end == seq.num_tokens else 0),
-                    carried=carried,
-                    ring=self.window.table(seq.request_id) if self.window is not None else (),
-                )
-            )
+            carried = ((end - 1 - start, inflight[seq]),) if last and seq in inflight else ()
+            if seq.params.prompt_logprobs is not None:
+                # Prompt logprobs want logits at the prompt positions before the sampling one.
+                num_logits += len(prompt_positions(seq, s.num_new_tokens))
+            ring = window.table(seq.request_id) if window is not None else ()
+            rows.append(Row(fed, start, table(seq.request_id), num_logits, carried, ring))
         return rows
 
     def _postprocess(
@@ -338,16 +344,21 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
                 verifying[seq] = offset
                 offset += len(self._proposals[seq].tokens) + 1
                 continue
-            if positions := prompt_positions(seq, s.num_new_tokens):
+            if seq.params.prompt_logprobs is not None and (
+                positions := prompt_positions(seq, s.num_new_tokens)
+            ):
                 self._prompt_logprobs(seq, positions, logits[offset : offset + len(positions)])
                 offset += len(positions)
-            if seq.num_computed_tokens + s.num_new_tokens == seq.num_tokens:
+            if seq.num_computed_tokens + s.num_new_tokens == len(seq.token_ids):
                 sampling.append((seq, offset))
                 offset += 1
         verified = self._verify(forward, verifying) if verifying else []
         self.scheduler.update(plan, {seq: got.tokens[: got.accepted] for seq, got in verified})
         to_sample, picks = [], []
         offering: list[tuple[Seq, int]] = []  # beams offering candidates, and their row
+        if not (self._beams or self._groups):  # no beam offers, no completion forks
+            to_sample, picks = [seq for seq, _ in sampling], [row for _, row in sampling]
+            sampling = []
         for seq, row in sampling:
             if seq.group_id in self._beams:
                 offering.append((seq, row))
@@ -364,7 +375,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             candidates = np.array(logits[rows].astype(mx.float32))
         if forward.tokens is not None:
             chosen = forward.tokens.tolist()  # ints at once, not a numpy scalar per row
-            sampled = [Sampled(chosen[i]) for i in picks]
+            tokens, logprobs = [chosen[i] for i in picks], [None] * len(picks)
         else:
             # Rows of drafts or prompt logprobs beside the sampling ones, or forked
             # completions sampling from one row: one row of logits per token drawn.
@@ -372,12 +383,13 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
                 logits = logits[mx.array(picks, dtype=mx.int32)] if picks else None
             rows = [self._sample_row(seq) for seq in to_sample]
             sampled = sample(logits, rows, self.logprobs_mode) if to_sample else []
+            tokens, logprobs = [p.token for p in sampled], [p.logprobs for p in sampled]
         now = self.clock.after(time.perf_counter() - start)
         outputs = [out for seq, got in verified for out in self._accept(seq, got, now)]
-        for seq, pick in zip(to_sample, sampled, strict=True):
-            if pick.logprobs is not None:
-                self._add_logprobs(seq, pick.token, pick.logprobs)
-            self._append(seq, pick.token, now)
+        for seq, token, token_logprobs in zip(to_sample, tokens, logprobs, strict=True):
+            if token_logprobs is not None:
+                self._add_logprobs(seq, token, token_logprobs)
+            self._append(seq, token, now)
             outputs += self._progressed(seq)
         for (seq, _), row in zip(offering, candidates, strict=True):
             group = self._beams[seq.group_id]

@@ -102,7 +102,10 @@ class ModelledRunner:
     def _tokens(self, rows: Sequence[Row]) -> np.ndarray:
         """One token per logits row, in row order; a verification's rows first take its
         drafts while the Bernoulli draws accept them."""
-        drawn = self._rng.integers(0, self.vocab_size, sum(r.num_logits for r in rows))
+        logits = [r.num_logits for r in rows]
+        drawn = self._rng.integers(0, self.vocab_size, sum(logits))
+        if max(logits, default=0) < 2:  # no verification: nothing to accept
+            return drawn
         at = 0
         for r in rows:
             k = r.num_logits - 1  # drafts under verification (none: 0, or -1 for a chunk)

@@ -85,13 +85,12 @@ class Outputs:
 
     def _last_token(self, seq: Seq) -> bool:
         """The sequence stops on its last token whatever it is (max_tokens, model length)."""
-        limit = self.scheduler.max_seq_len
-        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= limit
+        n = len(seq.token_ids)
+        return n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= self.scheduler.max_seq_len
 
     def _stop(self, seq: Seq, token: int) -> tuple[str | None, str | int | None]:
         p = seq.params
-        n = seq.num_output_tokens
-        if n >= p.min_tokens:
+        if len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens:
             if token in p.stop_token_ids:
                 return "stop", token
             if not p.ignore_eos and token in self.model.eos_token_ids:

@@ -19,7 +19,7 @@ allocation live at their step has ended; ``steps`` resolves the rest as of the l
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import mlx.core as mx
 
@@ -27,7 +27,7 @@ from harness.costmodel.features import StepFeatures
 from harness.engine.model_runner import Work
 from harness.engine.request import Sequence
 from harness.engine.speculative import Verifications
-from schedulers.output import KVStats, SchedulerOutput
+from schedulers.output import Holding, KVStats, SchedulerOutput
 
 
 class _Holding:
@@ -52,6 +52,11 @@ class Recorder:
         self.requests: list[dict] = []
         self._rows: list[dict] = []
         self._live: dict[tuple[Sequence, int], _Holding] = {}  # by (sequence, preemptions)
+        # The running tables as the last step counted them, and how many of them hold each
+        # block (its keys: the distinct blocks), kept up to date as tables grow rather than
+        # recounted every step.
+        self._tables: dict[Sequence, tuple[int, ...]] = {}
+        self._holders: dict[int, int] = {}
 
     @property
     def steps(self) -> list[dict]:
@@ -102,38 +107,40 @@ class Recorder:
         if stats is None:
             return None
         blocks = stats.blocks
-        # A verification writes the drafts ``proposed`` (by sequence), which may be fewer
-        # than the slots reserved for them (n-gram lookup).
-        new = {
-            id(s.seq): s.num_new_tokens - s.num_draft_tokens + proposed.get(s.seq, 0)
-            for s in plan.scheduled
-        }
+        # Each scheduled row's new KV; a verification writes the drafts ``proposed`` (by
+        # sequence), which may be fewer than the slots reserved for them (n-gram lookup).
+        new = {}
         prefill = 0
         for s in plan.scheduled:
             seq = s.seq
             fed = s.num_new_tokens - s.num_draft_tokens
+            new[seq] = fed + proposed.get(seq, 0) if proposed else fed
             # A decode feeds the one sampled token that has no KV yet (plus drafts to
             # verify); any other row computes prompt (or recomputed) tokens, even a 1-token
             # chunk.
-            decode = seq.num_output_tokens and seq.num_computed_tokens == seq.num_tokens - 1
-            if not (fed == 1 and decode):
+            if fed != 1:
+                prefill += fed
+                continue
+            n = len(seq.token_ids)
+            if not (n > seq.num_prompt_tokens and seq.num_computed_tokens == n - 1):
                 prefill += fed
         row: dict = {}
         unwritten = 0  # allocated slots not written by the end of this step
+        live = self._live
         for held in stats.running:
             seq = held.seq
-            written = seq.num_computed_tokens + new.get(id(seq), 0)
+            written = seq.num_computed_tokens + new.get(seq, 0)
             unwritten += held.num_tokens - written
-            holding = self._live.get((seq, seq.preemptions))
+            holding = live.get(key := (seq, seq.preemptions))
             if holding is None:
-                holding = self._live[seq, seq.preemptions] = _Holding()
+                holding = live[key] = _Holding()
             holding.entries.append((row, held.held_slots, written))
             holding.written = written
         tokens = blocks.used_slots - unwritten
         # External fragmentation as the vLLM paper means it: free blocks that cannot serve
         # the request next in line (runs or buddies too small for its region).
         unusable = stats.unusable_free_blocks
-        refs = sum(len(held.table) for held in stats.running)
+        refs = self._count_tables(stats.running)
         bs = blocks.block_size
         row.update(
             prefill_tokens=prefill,
@@ -145,7 +152,7 @@ class Recorder:
             blocks_free=blocks.free_blocks,
             blocks_cached=blocks.cached_blocks,
             block_refs=refs,
-            blocks_shared=refs - len(set().union(*(held.table for held in stats.running))),
+            blocks_shared=refs - len(self._holders),
             slots_tokens=tokens,
             slots_future=0,  # completed as the allocations live now end (_settle)
             slots_internal=blocks.reserved_slots - tokens,
@@ -157,10 +164,39 @@ class Recorder:
             mlx_active_bytes=mx.get_active_memory() if self.measured else 0,
         )
         # Allocations live at the previous step and not now have ended: settle them.
-        ended = [k for k, h in self._live.items() if h.entries[-1][0] is not row]
+        ended = [k for k, h in live.items() if h.entries[-1][0] is not row]
         for key in ended:
-            _settle(self._live.pop(key), lambda r: r)
+            _settle(live.pop(key))
         return row
+
+    def _count_tables(self, running: tuple[Holding, ...]) -> int:
+        """Count the running tables' blocks into ``_holders``; returns their sum of lengths.
+
+        A table that only grew since the last step (a decode, a chunk: the common case)
+        adds its new blocks; any other change (copy-on-write, relocation, trim, a table
+        seen for the first time) recounts it whole, and tables no longer running uncount."""
+        holders, before = self._holders, self._tables
+        now = {}
+        refs = 0
+        for held in running:
+            seq, table = held.seq, held.table
+            old = before.pop(seq, ())
+            now[seq] = table
+            refs += len(table)
+            if table == old:  # most steps: a decode within its last block
+                continue
+            n = len(old)
+            if n and table[:n] == old:
+                added = table[n:]
+            else:
+                _uncount(holders, old)
+                added = table
+            for block in added:
+                holders[block] = holders.get(block, 0) + 1
+        for old in before.values():
+            _uncount(holders, old)
+        self._tables = now
+        return refs
 
     def step(
         self,
@@ -215,18 +251,29 @@ class Recorder:
         self._rows.append(row)
 
 
-def _settle(holding: _Holding, target) -> None:
+def _settle(holding: _Holding, target: Callable[[dict], dict] | None = None) -> None:
     """Move the slots an allocation went on to fill from ``internal`` to ``future`` in each
-    step row it was live in (``target`` maps a recorded row to the row to change)."""
+    step row it was live in (``target`` maps a recorded row to the row to change; None:
+    the recorded row itself)."""
+    final = holding.written
     for recorded, held, written in holding.entries:
-        fills = max(0, min(held, holding.written) - written)
-        if fills:
-            r = target(recorded)
+        fills = (held if held < final else final) - written
+        if fills > 0:
+            r = recorded if target is None else target(recorded)
             # Capped by the step's unfilled slots: a partial block shared by several holders
             # (fork) is in each one's held slots but is one block of the arena.
             moved = min(fills, r["slots_internal"])
             r["slots_future"] += moved
             r["slots_internal"] -= moved
+
+
+def _uncount(holders: dict[int, int], table: tuple[int, ...]) -> None:
+    for block in table:
+        left = holders[block] - 1
+        if left:
+            holders[block] = left
+        else:
+            del holders[block]
 
 
 def _or_nan(x: float | None) -> float:

@@ -148,3 +148,33 @@ def test_unfinished_requests_count_requests_not_completions(model, prompt):
     e.add_request("b", prompt, GREEDY)
     e.step()
     assert e.get_num_unfinished_requests() == 2
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)
+def test_blocks_shared_counted_as_tables_change_equals_a_union_of_every_table(
+    model, prompt, allocator
+):
+    # The recorder counts the running tables' distinct blocks incrementally; forks,
+    # copy-on-write, preemption in a small arena and re-admission change tables in every
+    # way, and each step must still agree with the definition: refs minus the distinct
+    # blocks of all running tables.
+    e = engine(model, allocator, num_blocks=14)
+    expected = []
+    snapshot = e.recorder.snapshot
+
+    def checked(stats, plan, proposed):
+        tables = [held.table for held in stats.running]
+        refs = sum(len(t) for t in tables)
+        expected.append((refs, refs - len(set().union(*tables))))
+        return snapshot(stats, plan, proposed)
+
+    e.recorder.snapshot = checked
+    prompts = [prompt, prompt[:20], prompt[5:], prompt[:33]]
+    e.generate(prompts, dataclasses.replace(GREEDY, n=3, max_tokens=24))
+    got = [(r["block_refs"], r["blocks_shared"]) for r in e.recorder.steps]
+    assert got == expected
+    assert sum(r["preempted"] for r in e.recorder.steps) > 0
+    assert any(shared for _, shared in got) or allocator.__name__ in (
+        "ContiguousAllocator",
+        "BuddyAllocator",
+    )

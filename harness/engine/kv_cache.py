@@ -243,14 +243,11 @@ class BatchLayout:
     Attributes:
         offsets: [B] start position of each row (RoPE offset).
         write_rows: [B*H*L] arena row of each new (token, head), in the order of the model's
-            ``[B, H, L, D]`` keys and values (padding goes to the scratch block); flat, as
-            the scatter's update ``[B*H*L, D]`` (indices shaped [B, H, L] cost the graph a
-            broadcast and a squeeze more).
-        read_rows: [B, H, K*block_size] arena rows of the slots each row attends over, its
-            blocks in table order, padded with the scratch block: one gather of them is the
-            [B, H, K*bs, D] K/V attention wants, with no reshape of the arena or of the
-            result on either side (each is a node of the step's graph, and on MLX's CPU build
-            a node costs tens of microseconds whatever its size). Tables that are runs of
+            ``[B, H, L, D]`` keys and values (padding goes to the scratch block).
+        read_rows: [B, H, K] rows of the arena viewed as [(num_blocks+1) * H, bs * D]
+            (block * H + head) that each row attends over, padded with the scratch block;
+            one gather lands K/V straight in the [B, H, K*bs, D] layout attention wants
+            (5x faster than gathering blocks and then transposing). Tables that are runs of
             consecutive blocks (contiguous, buddy) use it too: a token-major arena
             ([H, blocks, bs, D]) reads one row's run by a zero-copy slice, but measured no
             faster at batch 1 (where the gather is small), and a batch's rows start at
@@ -258,17 +255,17 @@ class BatchLayout:
         mask: [B, 1, L, K*block_size] True where a query may attend to a key.
 
     With ``window`` (a sliding-window layer, harness/engine/window.py) the tables are rings:
-    ``read_rows`` holds the ring blocks' slots with the window's positions before each row's
-    first query, ``write_rows`` the row's last ``ring * block_size`` positions (the rest and
-    the padding go to scratch), and ``mask`` [B, 1, L, K*bs + L] covers the keys read, then
-    the new keys: True where ``query - window < key position <= query`` and the key is
-    written.
+    ``read_rows`` holds the ring blocks with the window's positions before each row's first
+    query, ``write_rows`` the row's last ``ring * block_size`` positions (the rest and the
+    padding go to scratch), and ``mask`` [B, 1, L, K*bs + L] covers the keys read, then the
+    new keys: True where ``query - window < key position <= query`` and the key is written.
     """
 
     offsets: mx.array
     write_rows: mx.array
     read_rows: mx.array
     mask: mx.array
+    num_read_blocks: int
 
     @classmethod
     def build(
@@ -309,8 +306,11 @@ class BatchLayout:
         return cls(
             offsets=offsets,
             write_rows=mx.array(write_rows.reshape(-1).astype(np.int32)),
-            read_rows=mx.array(_slot_rows(padded[:, :num_read], num_kv_heads, block_size)),
+            read_rows=mx.array(
+                (padded[:, None, :num_read] * num_kv_heads + heads).astype(np.int32)
+            ),
             mask=mx.arange(num_read * block_size) <= queries,
+            num_read_blocks=num_read,
         )
 
 
@@ -361,17 +361,10 @@ def _ring_layout(
     return BatchLayout(
         offsets=mx.array(start.astype(np.int32)),
         write_rows=mx.array(write_rows.reshape(-1).astype(np.int32)),
-        read_rows=mx.array(_slot_rows(read, num_kv_heads, bs)),
+        read_rows=mx.array((read[:, None, :] * num_kv_heads + heads).astype(np.int32)),
         mask=mx.array(mask[:, None]),
+        num_read_blocks=num_read,
     )
-
-
-def _slot_rows(tables: np.ndarray, num_kv_heads: int, block_size: int) -> np.ndarray:
-    """[B, H, K*bs] arena rows of every slot of the [B, K] block ``tables``, per KV head."""
-    heads = np.arange(num_kv_heads)[:, None, None]
-    slots = np.arange(block_size)
-    rows = (tables[:, None, :, None] * num_kv_heads + heads) * block_size + slots
-    return rows.reshape(len(tables), num_kv_heads, -1).astype(np.int32)
 
 
 class PagedKVCache:
@@ -407,10 +400,14 @@ class PagedKVCache:
         return self._write_read(self.arena.keys, keys), self._write_read(self.arena.values, values)
 
     def _write_read(self, pools: list[mx.array], new: mx.array) -> mx.array:
+        layout = self.layout
+        batch, heads, _, dim = new.shape
         pool = pools[self.layer]
-        pool[self.layout.write_rows] = new.reshape(-1, new.shape[-1])
+        pool[layout.write_rows] = new.reshape(-1, dim)
         pools[self.layer] = pool
-        return pool[self.layout.read_rows]  # [B, H, K*bs, D]
+        block_size = self.arena.block_size
+        fetched = pool.reshape(-1, block_size * dim)[layout.read_rows]  # [B, H, K, bs * D]
+        return fetched.reshape(batch, heads, layout.num_read_blocks * block_size, dim)
 
 
 class QuantizedPagedKVCache(PagedKVCache):
@@ -432,7 +429,8 @@ class QuantizedPagedKVCache(PagedKVCache):
         return self._write_read(self.arena.keys, keys), self._write_read(self.arena.values, values)
 
     def _write_read(self, pools: list[mx.array], new: mx.array) -> tuple[mx.array, ...]:
-        dim = new.shape[-1]
+        arena, layout = self.arena, self.layout
+        batch, heads, _, dim = new.shape
         packed, scales, biases = mx.quantize(
             new.reshape(-1, dim), group_size=self.group_size, bits=self.bits
         )
@@ -441,9 +439,11 @@ class QuantizedPagedKVCache(PagedKVCache):
             [packed, mx.concatenate([scales, biases], axis=-1).view(mx.uint32)], axis=-1
         )
         pool = pools[self.layer]
-        pool[self.layout.write_rows] = rows
+        pool[layout.write_rows] = rows
         pools[self.layer] = pool
-        fetched = pool[self.layout.read_rows]  # [B, H, K*bs, width]
+        bs, width = arena.block_size, arena.width
+        fetched = pool.reshape(-1, bs * width)[layout.read_rows]  # [B, H, K, bs * width]
+        fetched = fetched.reshape(batch, heads, layout.num_read_blocks * bs, width)
         groups = dim // self.group_size
-        affine = fetched[..., words:].view(self.arena.dtype)
+        affine = fetched[..., words:].view(arena.dtype)
         return fetched[..., :words], affine[..., :groups], affine[..., groups:]

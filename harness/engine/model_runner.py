@@ -50,7 +50,7 @@ class Work:
     groups               padded batches (``group_rows``), each a pass over the weights
     query_tokens_padded  query positions computed: each row padded to its group's longest
     kv_slots_read        KV slots gathered: each row reads as many blocks as its group's
-                         longest context needs (``BatchLayout.read_rows``), padding
+                         longest context needs (``BatchLayout.num_read_blocks``), padding
                          included
     kv_slots_attended    the rows' contexts without padding: sum of start + tokens
     attention_pairs      query-key pairs scored: a group's rows x padded queries x padded

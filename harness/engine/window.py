@@ -107,9 +107,12 @@ class WindowKVCache(PagedKVCache):
 
     def _write_read(self, pools: list[mx.array], new: mx.array) -> mx.array:
         layout = self.layout
+        batch, heads, _, dim = new.shape
         pool = pools[self.layer]
+        bs = self.arena.block_size
         # Read before writing: a long chunk's writes reuse slots its first queries read.
-        old = pool[layout.read_rows]  # [B, H, K*bs, D]
-        pool[layout.write_rows] = new.reshape(-1, new.shape[-1])
+        old = pool.reshape(-1, bs * dim)[layout.read_rows]  # [B, H, K, bs * D]
+        old = old.reshape(batch, heads, layout.num_read_blocks * bs, dim)
+        pool[layout.write_rows] = new.reshape(-1, dim)
         pools[self.layer] = pool
         return mx.concatenate([old, new], axis=2)

@@ -370,7 +370,8 @@ def _kept_row(logits: np.ndarray, top, temperature, params: SamplingParams, cand
         ids, left_out = candidates
         probs = _probs(logits[ids], top, temperature, params.min_p)
         left_out = 0.0 if params.min_p > TAIL_MASS else left_out
-        mass = probs.sum(dtype=np.float64)
+        # Top-p's total, where top-k does not set it (from the head, in _floor).
+        mass = probs.sum(dtype=np.float64) if params.top_p < 1 and not top_k else 0.0
         bounds = (mass * (1 - SUM_ERROR), (mass + left_out) * (1 + SUM_ERROR))
         floor = _floor(probs, top_k, params.top_p, bounds, partial=left_out > 0)
         if floor is None and left_out:

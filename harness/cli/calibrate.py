@@ -3,7 +3,9 @@
     kvbench-calibrate [model=...] [allocator=...] [engine.block_size=...] [speculative=draft]
 
 The real engine (virtual clock, recorder on) runs cells of requests that all arrive at once
-(decode cells: ``batches`` x ``contexts``, each sequence decoding ``decode_tokens``; their
+(decode cells: ``batches`` x ``contexts``, each sequence decoding ``decode_tokens``, and
+``spread`` cells per batch of prompts of log-uniform lengths over the contexts' range, whose
+decodes run at unequal contexts, in one padded batch or in several, as a replay's do; their
 prefills are the prefill steps) and cells of staggered mixed-length requests under chunked
 prefill (``chunks``: prefill chunks over prior context beside running decodes, the mixed
 steps). With ``speculative=draft`` the decode cells speculate (verification steps). A cell
@@ -50,6 +52,7 @@ class Grid:
     batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     contexts: list[int] = field(default_factory=lambda: [16, 128, 512, 1024])
     decode_tokens: int = 8
+    spread: int = 2  # decode cells per batch > 1 at unequal contexts
     chunks: list[int] = field(default_factory=lambda: [64, 256])
     mixed_requests: int = 24
     move_blocks: list[int] = field(default_factory=lambda: [1, 8, 32])
@@ -64,18 +67,35 @@ class Grid:
         for name in ("decode_tokens", "mixed_requests", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"calibrate.{name} must be >= 1")
+        if self.spread < 0:
+            raise ValueError("calibrate.spread must be >= 0")
 
     def decode_cells(self, vocab: int, max_len: int) -> list[Trace]:
-        """``b`` prompts of ``c`` tokens at once, each decoding ``decode_tokens``."""
+        """``b`` prompts of ``c`` tokens at once, each decoding ``decode_tokens``; then, per
+        ``b`` > 1, ``spread`` cells of ``b`` prompts of log-uniform lengths over the
+        contexts' range. A batch at one context always runs as one padded batch at that
+        context; only unequal contexts tell the fit what more padded batches (row groups),
+        and reading a longer context for a shorter row, cost."""
         rng = np.random.default_rng([self.seed, 1])
+        longest = max_len - self.decode_tokens
         cells = []
         for c in self.contexts:
-            c = min(c, max_len - self.decode_tokens)
+            c = min(c, longest)
             for b in self.batches:
                 cells.append(
                     _trace(
                         f"decode-b{b}-c{c}",
                         [(0.0, rng.integers(0, vocab, c), self.decode_tokens) for _ in range(b)],
+                    )
+                )
+        low, high = np.log(min(self.contexts)), np.log(min(max(self.contexts), longest))
+        for i in range(self.spread):
+            for b in (b for b in self.batches if b > 1):
+                lengths = np.exp(rng.uniform(low, high, b)).astype(int)
+                cells.append(
+                    _trace(
+                        f"decode-b{b}-spread{i}",
+                        [(0.0, rng.integers(0, vocab, c), self.decode_tokens) for c in lengths],
                     )
                 )
         return cells

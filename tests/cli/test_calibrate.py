@@ -12,13 +12,14 @@ import pytest
 from conftest import ROOT
 from hydra import compose, initialize_config_dir
 
-from harness.cli.calibrate import PROFILE_FILE, STEPS_FILE, calibrate, format_residuals
+from harness.cli.calibrate import PROFILE_FILE, STEPS_FILE, Grid, calibrate, format_residuals
 from harness.cli.run import CONFIG_DIR, run
 from harness.costmodel.profile import fingerprint, load
 from harness.platform.models import random_model
 
-# 9 decode cells: each one prefill step whatever the load (every request at t=0), so the
-# prefill kind has its 8 steps; the mixed cell's steps depend on timing, its kind's count too.
+# 9 decode cells at one context and 4 at unequal ones: each one prefill step whatever the load
+# (every request at t=0), so the prefill kind has its 8 steps; the mixed cell's steps depend
+# on timing, its kind's count too.
 SMALL_GRID = (
     "calibrate.batches=[1,2,4]",
     "calibrate.contexts=[16,40,64]",
@@ -72,6 +73,25 @@ def test_the_profile_drives_a_model_clock_replay(calibrated, compose_cfg, tmp_pa
     assert summary["profile"]["path"] == str(profile)
     assert summary["profile"]["kind"] == "measured"
     assert summary["warmup_requests"] == 0
+
+
+def test_decode_cells_run_batches_at_one_context_and_at_unequal_ones():
+    grid = Grid(batches=[1, 3], contexts=[16, 512], decode_tokens=8, spread=2)
+    cells = grid.decode_cells(vocab=100, max_len=300)
+    lengths = {t.metadata["cell"]: [len(r.prompt_token_ids) for r in t] for t in cells}
+    assert lengths == {
+        "decode-b1-c16": [16],
+        "decode-b3-c16": [16] * 3,
+        "decode-b1-c292": [292],  # the context leaves room for the decode tokens
+        "decode-b3-c292": [292] * 3,
+        "decode-b3-spread0": lengths["decode-b3-spread0"],
+        "decode-b3-spread1": lengths["decode-b3-spread1"],
+    }
+    for name in ("decode-b3-spread0", "decode-b3-spread1"):
+        assert all(16 <= n <= 292 for n in lengths[name]) and len(set(lengths[name])) == 3
+    assert all(r.max_tokens == 8 and r.arrival_time == 0 for t in cells for r in t)
+    assert [t.metadata["cell"] for t in Grid(batches=[2], contexts=[16], spread=0)
+            .decode_cells(100, 300)] == ["decode-b2-c16"]  # fmt: skip
 
 
 def test_a_bad_grid_value_is_one_line_and_exit_2(tmp_path):

@@ -319,13 +319,17 @@ def filtered(logits, params: Sequence[SamplingParams]):
 # Top-k's and top-p's edges are looked for among each row's candidates: the tokens within
 # TAIL nats (at the row's temperature) of its most probable one, a few hundred on a served
 # model's peaked rows. A token left out weighs at most TAIL_MASS (e^-16, with room for
-# float32 rounding) of the most probable, and at most FAR_MASS beyond FAR nats: counting
-# both bounds their mass. Where that bound straddles top-p's edge, the row's exact total is
-# taken; where an edge could lie among the tokens left out, the whole row. Either way the
-# result is the whole row's computation, bit for bit. A flat row (more than 1/FLAT of its
-# tokens candidates) is done whole at once: its exps cost less than picking them out.
-TAIL, FAR = 16.0, 24.0
-TAIL_MASS, FAR_MASS = math.exp(-TAIL + 1e-3), math.exp(-FAR + 1e-3)
+# float32 rounding) of the most probable, at most e^-20 beyond 20 nats and e^-24 beyond 24
+# (BANDS): counting the tokens within each bounds their mass. Where that bound straddles
+# top-p's edge, the row's exact total is taken; where an edge could lie among the tokens
+# left out, the whole row. Either way the result is the whole row's computation, bit for
+# bit. A flat row (more than 1/FLAT of its tokens candidates) is done whole at once: its
+# exps cost less than picking them out. Rows are done one at a time: a row's comparisons
+# stay in cache, a whole batch's do not (measured 25-33 % slower).
+TAIL = 16.0
+BANDS = (20.0, 24.0)
+BAND_MASS = tuple(math.exp(-nats + 1e-3) for nats in (TAIL, *BANDS))
+TAIL_MASS = BAND_MASS[0]
 FLAT = 8
 HEAD = 64  # candidates sorted first, four times more while an edge lies beyond them
 SUM_ERROR = 1e-9  # bounds two float64 sums of the same values in different orders, relative
@@ -338,19 +342,20 @@ def kept_tokens(logits: np.ndarray, params: Sequence[SamplingParams]) -> list[tu
     top = logits.max(axis=-1)
     temperature = np.array([p.temperature for p in params], dtype=np.float32)
     candidates: list[tuple | None] = [None] * len(params)
-    narrow = [r for r, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
-    if narrow:
-        rows = _take(logits, narrow)
-        near, far = (
-            rows >= (top[narrow] - np.float32(nats) * temperature[narrow])[:, None]
-            for nats in (TAIL, FAR)
-        )
-        for i, r in enumerate(narrow):
-            n = np.count_nonzero(near[i])
-            if n * FLAT <= vocab:
-                beyond = np.count_nonzero(far[i]) - n
-                left_out = beyond * TAIL_MASS + (vocab - n - beyond) * FAR_MASS
-                candidates[r] = (np.flatnonzero(near[i]), left_out)
+    for r, p in enumerate(params):
+        if not (0 < p.top_k < vocab or p.top_p < 1):
+            continue
+        row, edge = logits[r], top[r] - np.float32(TAIL) * temperature[r]
+        near = row >= edge
+        n = np.count_nonzero(near)
+        if n * FLAT <= vocab:
+            left_out, within = 0.0, n
+            for nats, mass in zip(BANDS, BAND_MASS[:-1], strict=True):  # tokens within ``nats``
+                reach = np.count_nonzero(row >= top[r] - np.float32(nats) * temperature[r])
+                left_out += (reach - within) * mass
+                within = reach
+            left_out += (vocab - within) * BAND_MASS[-1]
+            candidates[r] = (np.flatnonzero(near), left_out)
     return [
         _kept_row(logits[r], top[r], temperature[r], p, candidates[r]) for r, p in enumerate(params)
     ]

@@ -15,7 +15,7 @@ import numpy as np
 
 from harness.workload.distributions import ArrivalProcess, LengthDist
 from harness.workload.public import Record, hashed_trace
-from harness.workload.traces import Trace, TraceRequest, max_prefix_hit_rate
+from harness.workload.traces import Trace, TraceRequest, max_prefix_hit_rate, token_tuples
 
 
 def _describe(component: Any) -> Any:
@@ -27,12 +27,7 @@ def _random_prompts(
 ) -> list[tuple[int, ...]]:
     lengths = [int(n) for n in lengths]
     # Token 0 is left out: many tokenizers reserve it for padding/BOS.
-    flat = rng.integers(1, vocab_size, sum(lengths)).tolist()
-    out, start = [], 0
-    for n in lengths:
-        out.append(tuple(flat[start : start + n]))
-        start += n
-    return out
+    return token_tuples(rng.integers(1, vocab_size, sum(lengths)), lengths, vocab_size)
 
 
 def _make_trace(

@@ -44,7 +44,13 @@ from typing import Any
 
 import numpy as np
 
-from harness.workload.traces import Trace, TraceError, TraceRequest, max_prefix_hit_rate
+from harness.workload.traces import (
+    Trace,
+    TraceError,
+    TraceRequest,
+    max_prefix_hit_rate,
+    token_tuples,
+)
 
 
 @dataclass(frozen=True)
@@ -223,11 +229,11 @@ def _random_trace(
     rng = np.random.default_rng(seed)
     clipped = [clip(r.prompt_len, r.output_len, max_len) for r in records]
     flat = rng.integers(1, vocab_size, sum(p for p, _ in clipped))
-    requests, at = [], 0
-    for i, (r, (p, o)) in enumerate(zip(records, clipped, strict=True)):
-        prompt = tuple(flat[at : at + p].tolist())
-        requests.append(TraceRequest(f"{name}-{i}", r.arrival, prompt, o))
-        at += p
+    prompts = token_tuples(flat, [p for p, _ in clipped], vocab_size)
+    requests = [
+        TraceRequest(f"{name}-{i}", r.arrival, prompt, o)
+        for i, (r, prompt, (_, o)) in enumerate(zip(records, prompts, clipped, strict=True))
+    ]
     return _finish(name, requests, params, records, clipped, max_len, vocab_size)
 
 
@@ -245,14 +251,11 @@ def hashed_trace(
     clipped = [clip(r.prompt_len, r.output_len, max_len) for r in records]
     used = [r.hash_ids[: -(-p // hash_block)] for r, (p, _) in zip(records, clipped, strict=True)]
     unique = np.unique(np.fromiter(chain.from_iterable(used), dtype=np.int64))
-    ints = tuple(range(vocab_size))  # one int object per id, shared by every prompt
     blocks: dict[int, tuple[int, ...]] = {}
     for part in np.array_split(unique, max(1, len(unique) // 4096)):  # bounded temporaries
-        rows = block_tokens(seed, part, hash_block, vocab_size).tolist()
-        blocks.update(
-            (h, tuple(map(ints.__getitem__, row)))
-            for h, row in zip(part.tolist(), rows, strict=True)
-        )
+        rows = block_tokens(seed, part, hash_block, vocab_size).reshape(-1)
+        tokens = token_tuples(rows, [hash_block] * len(part), vocab_size)
+        blocks.update(zip(part.tolist(), tokens, strict=True))
     requests = []
     for i, (r, ids, (p, o)) in enumerate(zip(records, used, clipped, strict=True)):
         prompt = tuple(chain.from_iterable(map(blocks.__getitem__, ids)))[:p]

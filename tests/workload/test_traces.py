@@ -31,6 +31,7 @@ from harness.workload.traces import (
     load,
     max_prefix_hit_rate,
     save,
+    token_tuples,
 )
 
 
@@ -277,3 +278,12 @@ def test_the_bound_counts_an_earlier_turns_answer_by_hand():
     assert max_prefix_hit_rate([a, b], 4, {"a": (5, 6)}) == pytest.approx(4 / 12)  # whole blocks
     # an answer is no help to its own prompt, nor to a prompt sent before it
     assert max_prefix_hit_rate([b, a], answers={"a": (5, 6)}) == pytest.approx(3 / 12)
+
+
+def test_prompts_share_one_int_object_per_token_id():
+    flat = np.array([700, 900, 700, 5, 900, 700] * 200)  # more tokens than the vocabulary
+    a, b = token_tuples(flat, [2, 1198], vocab_size=1000)
+    assert a == (700, 900) and b == (700, 5, 900, 700, *flat[6:].tolist())
+    assert a[0] is b[0] is b[3] and a[1] is b[2]  # 8 bytes a token, not an int each
+    wide = token_tuples(flat[:6], [6], vocab_size=10**9)  # no table larger than the tokens
+    assert wide == [(700, 900, 700, 5, 900, 700)]

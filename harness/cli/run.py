@@ -28,6 +28,7 @@ from typing import Any
 
 import hydra
 import mlx.core as mx
+import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
@@ -254,7 +255,8 @@ def _build(node: DictConfig) -> Any:
 
 
 def _tables(engine: LLMEngine):
-    return requests_frame(engine.recorder.requests), steps_frame(engine.recorder.steps)
+    steps = pd.DataFrame(engine.recorder.step_columns())
+    return requests_frame(engine.recorder.requests), steps_frame(steps)
 
 
 def _kept(out: Path) -> str:

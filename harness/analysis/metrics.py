@@ -142,7 +142,9 @@ _OBJECT_KINDS = {
     "str|None": (lambda v: _is_missing(v) or isinstance(v, str), lambda v: v),
     "list[float]": (
         lambda v: isinstance(v, (list, tuple, np.ndarray)),
-        lambda v: [float(x) for x in v],
+        # a list is kept as it is (the recorder's rows): copying every request's times
+        # would double the table's largest column
+        lambda v: v if type(v) is list else [float(x) for x in v],
     ),
 }
 

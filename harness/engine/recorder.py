@@ -14,7 +14,8 @@ The KV breakdown of a step (the vLLM paper's Fig. 2) is the arena as the step le
 Which allocated slots get filled is known only when an allocation ends (finish, abort,
 preemption, swap-out), so each step's ``future`` is completed then: a sequence's slots in a
 step count as future up to what it has written when it leaves. Rows are final once every
-allocation live at their step has ended; ``steps`` resolves the rest as of the last step.
+allocation live at their step has ended; ``step_columns`` (and ``steps``) resolve the rest as
+of the last step.
 """
 
 from __future__ import annotations

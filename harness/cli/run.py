@@ -17,10 +17,13 @@ import gc
 import logging
 import os
 import secrets
+import signal
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -259,6 +262,31 @@ def _tables(engine: LLMEngine):
     return requests_frame(engine.recorder.requests), steps_frame(steps)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a batch scheduler's time limit, ``timeout``) stops a run as Ctrl-C
+    does: the finished requests' rows are written first. It also reaches a run started in
+    the background by a non-interactive shell, which ignores SIGINT."""
+
+
+@contextmanager
+def _terminable() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` while the job runs (a launcher's worker gets its own
+    handler back after; a job run off the main thread, where Python takes no signal
+    handler, keeps the default)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def _kept(out: Path) -> str:
     """What an interrupted run left in ``out``: the finished requests' rows once the replay
     has begun (``run`` writes them), else nothing."""
@@ -313,14 +341,17 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             os.cpu_count(),
         )
     try:
-        summary = run(cfg, out, overrides=overrides, choices=choices)
+        with _terminable():
+            summary = run(cfg, out, overrides=overrides, choices=choices)
     except UsageError as e:
         # SystemExit passes through Hydra's handler, which would print a traceback.
         print(f"kvbench: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:  # Ctrl-C: what was kept, not where Python happened to be
-        print(f"kvbench: interrupted: {_kept(out)}", file=sys.stderr)
-        sys.exit(130)  # 128 + SIGINT, as a shell reports it
+    except KeyboardInterrupt as e:  # what was kept, not where Python happened to be
+        stop = "terminated" if isinstance(e, Terminated) else "interrupted"
+        print(f"kvbench: {stop}: {_kept(out)}", file=sys.stderr)
+        # 128 + the signal, as a shell reports it
+        sys.exit(128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT))
     if not summary["completed"]:  # every figure would be n/a: say why instead
         print(f"results: {out}")
         outcome = format_outcome(results.load_tables(out)[0])

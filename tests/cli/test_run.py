@@ -158,7 +158,16 @@ def test_interrupted_sweep_rerun_completes_only_missing_jobs(tmp_path: Path) -> 
     assert len(results.load(sweep)) == 4
 
 
-def test_ctrl_c_says_in_one_line_what_was_kept_and_exits_130(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sig", "said", "code"),
+    [(signal.SIGINT, "interrupted", 130), (signal.SIGTERM, "terminated", 143)],
+    ids=["ctrl_c", "sigterm"],
+)
+def test_a_stop_says_in_one_line_what_was_kept_and_exits_128_plus_signal(
+    tmp_path: Path, sig: int, said: str, code: int
+) -> None:
+    # SIGTERM: kill, timeout, a batch scheduler's time limit; it reaches a run that ignores
+    # SIGINT (started in the background), and it keeps the rows as Ctrl-C does.
     from conftest import ROOT, TINY
 
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -177,15 +186,15 @@ def test_ctrl_c_says_in_one_line_what_was_kept_and_exits_130(tmp_path: Path) -> 
         for line in proc.stdout:  # Hydra's log, flushed line by line
             if "replaying 20000 requests" in line:
                 break
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=HANG)
     finally:
         proc.kill()
     (run_dir,) = (tmp_path / "results/default/runs").iterdir()
     kept = len(results.load_tables(run_dir)[0])
-    assert proc.returncode == 130
+    assert proc.returncode == code
     assert err == (
-        f"kvbench: interrupted: the {kept} finished requests' rows kept in "
+        f"kvbench: {said}: the {kept} finished requests' rows kept in "
         f"{run_dir / 'requests.parquet'} and steps.parquet; no summary.json, so a sweep re-run "
         "repeats this run\n"
     )

@@ -21,6 +21,16 @@ For each: TTFT p50/p90, TPOT p50/p90, E2E p50, output throughput, preemptions, p
 prefix hit rate, real and modelled, with the relative error (modelled / real - 1). The error
 goal: 5 % on medians and throughput, 10 % on p90s. Timed figures move with the machine's
 load; run it on a quiet machine, and compare only side by side within one run.
+
+Two more columns tell the profile's error from the machine's drift:
+
+    fit     the profile's price of the real run's own steps over their measured durations,
+            minus 1 (``priced_error``): the schedule held fixed, so the modelled schedule's
+            divergence is out of it
+    probe   ``priced_error`` of a fixed small real replay (``PROBE``) run just before the
+            scenario: the same work each time, so its change since the probe run right after
+            calibration is the machine's (a shared host's speed drifts by tens of percent
+            within minutes), not the fit's
 """
 
 from __future__ import annotations
@@ -30,13 +40,17 @@ import math
 import tempfile
 from pathlib import Path
 
+import pandas as pd
 from omegaconf import OmegaConf
 
+from harness.analysis import results
 from harness.bench._components import compose_config
 from harness.bench._table import format_table
 from harness.cli.calibrate import PROFILE_FILE, calibrate
 from harness.cli.run import CONFIG_DIR
 from harness.cli.run import run as run_experiment
+from harness.costmodel.features import from_step
+from harness.costmodel.profile import Profile, load
 
 SCENARIOS: dict[str, list[str]] = {
     "poisson": ["trace=poisson", "trace.rate=8"],
@@ -50,6 +64,9 @@ SCENARIOS: dict[str, list[str]] = {
              "scheduler.preemption_mode=swap"],
     "speculative": ["trace=poisson", "trace.rate=4", "speculative=draft"],
 }  # fmt: skip
+# A fixed small real replay priced before each scenario: 8 requests at once (32-256 prompt
+# tokens, 32-128 outputs), a few seconds of prefill, mixed and decode steps.
+PROBE = ["trace=offline", "trace.num_requests=8"]
 # (summary key, header, error goal: 5 % for medians and throughput, 10 % for p90s, exact
 # for counts the schedule alone decides)
 FIGURES = (
@@ -80,6 +97,9 @@ def validate(size: str, scenarios: list[str], requests: int, out: Path) -> list[
     grid.calibrate = calibration
     calibrate(grid, out / f"calibrate-{size}")
     profile = out / f"calibrate-{size}" / PROFILE_FILE
+    prices = load(profile)
+    probes = out / size / "probes"
+    print(f"probe after calibration: {probe(size, prices, probes / 'calibration'):+.1%}")
     rows = []
     for name in scenarios:
         overrides = [f"model={size}", "progress=false", *SCENARIOS[name]]
@@ -88,13 +108,28 @@ def validate(size: str, scenarios: list[str], requests: int, out: Path) -> list[
             "real": [],
             "model": ["engine.clock=model", f"engine.profile={profile}"],
         }
+        drift = probe(size, prices, probes / name)
         got = {
             clock: run_experiment(compose_config([*overrides, *extra]), out / size / name / clock)
             for clock, extra in clocks.items()
         }
-        rows.append({"size": size, "scenario": name, **got})
+        fit = priced_error(results.load_tables(out / size / name / "real")[1], prices)
+        rows.append({"size": size, "scenario": name, **got, "fit": fit, "probe": drift})
         print(format_rows(rows[-1:]), flush=True)
     return rows
+
+
+def priced_error(steps: pd.DataFrame, profile: Profile) -> float:
+    """The profile's price of a real run's steps (a steps table: each step's counts, its
+    measured ``duration``) over their measured total, minus 1."""
+    priced = sum(profile.predict(from_step(row)) for row in steps.to_dict("records"))
+    return priced / steps["duration"].sum() - 1
+
+
+def probe(size: str, profile: Profile, out: Path) -> float:
+    """``priced_error`` of the ``PROBE`` replay on the real engine, run now."""
+    run_experiment(compose_config([f"model={size}", "progress=false", *PROBE]), out)
+    return priced_error(results.load_tables(out)[1], profile)
 
 
 def _error(real: float, modelled: float) -> float:
@@ -107,7 +142,7 @@ def _error(real: float, modelled: float) -> float:
 
 def format_rows(rows: list[dict]) -> str:
     """One line per scenario: real -> modelled (error) per figure; a * marks a miss."""
-    header = ["model", "scenario", *(h for _, h, _ in FIGURES)]
+    header = ["model", "scenario", *(h for _, h, _ in FIGURES), "fit", "probe"]
     lines = []
     for row in rows:
         cells = [row["size"], row["scenario"]]
@@ -122,7 +157,7 @@ def format_rows(rows: list[dict]) -> str:
             else:
                 text = f"{real}>{modelled}"
             cells.append(f"{text} {err:+.1%}{'*' if miss else ''}")
-        lines.append(cells)
+        lines.append([*cells, f"{row['fit']:+.1%}", f"{row['probe']:+.1%}"])
     return format_table(header, lines)
 
 
@@ -144,7 +179,11 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         for size in args.sizes.split(","):
             rows += validate(size, scenarios, args.requests, out)
-    print("\nreal (virtual clock, measured) > modelled (model clock), error; * misses its goal")
+    print(
+        "\nreal (virtual clock, measured) > modelled (model clock), error; * misses its goal;"
+        "\nfit: the profile's price of the real run's own steps, error; probe: the same for a"
+        "\nfixed replay run just before (its change since calibration is the machine's drift)"
+    )
     print(format_rows(rows))
 
 

@@ -125,20 +125,27 @@ def format_cells(rows: list[dict]) -> str:
 
 
 def format_ratios(rows: list[dict], sizes: list[int]) -> str:
-    """Per configuration, wall time at the largest size over the one before it."""
+    """Per configuration, the largest size over the one before it: wall time, the work
+    (sequence-steps: a trace's mix can change with its size, e.g. mooncake_like keeps more
+    of its sessions' later, longer turns at 100k than at 10k) and CPU time per unit of work
+    (1.0: the harness's cost is linear in the work)."""
     if len(sizes) < 2:
         return ""
     big, small = sizes[-1], sizes[-2]
-    wall = {(r["trace"], r["allocator"], r["scheduler"], r["size"]): r["got"].get("wall")
-            for r in rows}  # fmt: skip
-    ratio = f"wall {big:,} / {small:,} (linear: {big / small:g})"
-    header = ["trace", "allocator", "scheduler", ratio]
+    got = {(r["trace"], r["allocator"], r["scheduler"], r["size"]): r["got"] for r in rows}
+    wall = f"wall {big:,} / {small:,} (linear: {big / small:g})"
+    header = ["trace", "allocator", "scheduler", wall, "seq-steps", "CPU per seq-step"]
     lines = []
-    for trace, alloc, sched, size in wall:
+    for trace, alloc, sched, size in got:
         if size != big:
             continue
-        a, b = wall[trace, alloc, sched, big], wall.get((trace, alloc, sched, small))
-        lines.append([trace, alloc, sched, f"{a / b:.1f}x" if a and b else "n/a"])
+        a, b = got[trace, alloc, sched, big], got.get((trace, alloc, sched, small), {})
+        if "error" in a or not b or "error" in b:
+            lines.append([trace, alloc, sched, "n/a", "n/a", "n/a"])
+            continue
+        per_step = (a["cpu"] / a["seq_steps"]) / (b["cpu"] / b["seq_steps"])
+        lines.append([trace, alloc, sched, f"{a['wall'] / b['wall']:.1f}x",
+                      f"{a['seq_steps'] / b['seq_steps']:.1f}x", f"{per_step:.2f}x"])  # fmt: skip
     return format_table(header, lines)
 
 

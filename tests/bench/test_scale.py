@@ -1,0 +1,26 @@
+"""python -m harness.bench scale: its size ratios, computed by hand."""
+
+from harness.bench.scale import format_ratios
+
+
+def _cell(size: int, wall: float, cpu: float, seq_steps: int) -> dict:
+    got = {"wall": wall, "cpu": cpu, "seq_steps": seq_steps}
+    return {"trace": "t", "allocator": "free_list", "scheduler": "fcfs", "size": size, "got": got}
+
+
+def test_ratios_split_the_wall_growth_into_work_and_cost_per_unit_of_work() -> None:
+    # 10x the requests, 15x the work (a heavier mix), 13.5x the CPU: the wall ratio misses
+    # "linear", while each sequence-step got cheaper: (135 / 1.5M) / (10 / 100k) = 0.9.
+    rows = [_cell(10_000, 12.0, 10.0, 100_000), _cell(100_000, 150.0, 135.0, 1_500_000)]
+    table = format_ratios(rows, [10_000, 100_000])
+    header, _, line = table.splitlines()
+    assert header.split()[3:] == ["wall", "100,000", "/", "10,000", "(linear:", "10)",
+                                  "seq-steps", "CPU", "per", "seq-step"]  # fmt: skip
+    assert line.split() == ["t", "free_list", "fcfs", "12.5x", "15.0x", "0.90x"]
+
+
+def test_a_cell_that_timed_out_has_no_ratio() -> None:
+    rows = [_cell(10_000, 12.0, 10.0, 100_000), _cell(100_000, 0, 0, 0)]
+    rows[1]["got"] = {"error": "timeout"}
+    line = format_ratios(rows, [10_000, 100_000]).splitlines()[-1]
+    assert line.split()[3:] == ["n/a", "n/a", "n/a"]

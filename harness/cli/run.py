@@ -348,10 +348,11 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         print(f"kvbench: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:  # what was kept, not where Python happened to be
-        stop = "terminated" if isinstance(e, Terminated) else "interrupted"
-        print(f"kvbench: {stop}: {_kept(out)}", file=sys.stderr)
+        terminated = isinstance(e, Terminated)
+        print(f"kvbench: {'terminated' if terminated else 'interrupted'}: {_kept(out)}",
+              file=sys.stderr)  # fmt: skip
         # 128 + the signal, as a shell reports it
-        sys.exit(128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT))
+        sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
     if not summary["completed"]:  # every figure would be n/a: say why instead
         print(f"results: {out}")
         outcome = format_outcome(results.load_tables(out)[0])

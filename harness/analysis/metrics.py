@@ -222,6 +222,16 @@ def _stats(name: str, values: Iterable[float]) -> dict[str, float]:
     }
 
 
+def acceptance_rate(steps: pd.DataFrame) -> float:
+    """Leviathan et al.'s (ICML 2023) per-token acceptance rate alpha of a steps table =
+    accepted / (accepted + rejected) drafts, each verification stopping at its first
+    rejection: the estimate of the Bernoulli(alpha) the model clock draws each draft from
+    (NaN without a verified draft). Not vLLM's draft acceptance rate (accepted / proposed),
+    which counts the drafts after a rejection as unaccepted too."""
+    accepted = steps["spec_accepted"].sum()
+    return _ratio(accepted, accepted + steps["spec_rejected"].sum())
+
+
 def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den > 0 else math.nan
 
@@ -353,7 +363,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
             req["cached_tokens"][looked_up].sum(), req["prompt_tokens"][looked_up].sum()
         ),
         preemptions=int(req["preemptions"].sum()),
-        spec_acceptance_rate=_ratio(accepted, accepted + st["spec_rejected"].sum()),
+        spec_acceptance_rate=acceptance_rate(st),
         spec_draft_acceptance_rate=_ratio(accepted, st["spec_proposed"].sum()),
         spec_tokens_per_verification=_ratio(accepted + verifications, verifications),
         mlx_peak_bytes=float(st["mlx_peak_bytes"].max()) if len(st) else math.nan,

@@ -30,7 +30,7 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from harness.analysis.metrics import steps_frame
+from harness.analysis.metrics import acceptance_rate, steps_frame
 from harness.cli.config import validate
 from harness.cli.replay import replay
 from harness.cli.run import CONFIG_DIR, _build
@@ -171,7 +171,7 @@ def calibrate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     steps = steps_frame([{k: v for k, v in r.items() if k != "cell"} for r in rows])
     steps["cell"] = [r["cell"] for r in rows]
     measured = [(from_step(r), r["duration"]) for r in steps.to_dict("records")]
-    proposed = int(steps["spec_proposed"].sum())
+    alpha = acceptance_rate(steps)
     data = {
         "format": profiles.FORMAT,
         "version": profiles.VERSION,
@@ -182,7 +182,7 @@ def calibrate(cfg: DictConfig, out: Path) -> dict[str, Any]:
         "features": list(FEATURES),
         "kinds": fit_kinds(measured, moves),
         "moves": moves,
-        "acceptance_rate": steps["spec_accepted"].sum() / proposed if proposed else None,
+        "acceptance_rate": None if np.isnan(alpha) else alpha,
         "calibration": {
             "cells": len(cells),
             "steps": len(steps),

@@ -17,7 +17,10 @@ engine.profile=PATH``). It is JSON, schema ``kvbench-profile`` version 1:
     kinds                per step kind: {"coefficients": {feature or "step": seconds per
                          unit}, "residuals": {...}} (measured); "step" is the intercept
     moves                seconds per block: {"block_copies": ..., "swap_blocks": ...}
-    acceptance_rate      speculative acceptance measured while calibrating (null: none)
+    acceptance_rate      the per-token speculative acceptance rate alpha measured while
+                         calibrating (metrics.acceptance_rate: accepted / (accepted +
+                         rejected), Leviathan et al.), the Bernoulli(alpha) the model clock
+                         draws each draft from up to the first rejection (null: none)
     roofline             (roofline only) peak rates, efficiency, host overhead and each
                          operator's FLOPs and bytes per unit of the counts
                          (harness/costmodel/roofline.py)

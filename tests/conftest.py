@@ -1,4 +1,5 @@
-"""Shared test set-up: MKL before MLX, and Hydra's compose API over conf/ at tiny sizes."""
+"""Shared test set-up: MKL before MLX (on one thread), and Hydra's compose API over conf/ at
+tiny sizes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-import harness  # noqa: F401  (switches MLX to MKL before a test module imports mlx)
+# Tests time nothing, and a two-thread MKL pool stalls on a machine with other load (its
+# threads wait at a barrier for one descheduled): harness/platform/blas.py "Threads". Set
+# before MKL loads; inherited by every subprocess a test starts; a user's value wins.
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import harness  # noqa: E402, F401  (switches MLX to MKL before a test module imports mlx)
 from allocators.base import BlockAllocator
 from harness.cli.run import CONFIG_DIR
 from harness.platform.models import LoadedModel, random_model

@@ -29,8 +29,9 @@ Other processes' load is the same risk: a GEMM waits at its barrier for a pool t
 OS has descheduled. Beside two busy loops on the 2-core reference box, a test file
 (tests/engine/test_kv_quant.py, tiny model) ran in 139.7 s with MKL's two threads against
 48.6 s with ``MKL_NUM_THREADS=1``; beside one, 40-42 s against 31 s; quiet, 28.5-31.5 s
-either way (the tiny model's GEMMs gain nothing from a second thread). The test suite therefore runs MKL on one thread (tests/conftest.py);
-benchmarks keep the default and say which (``info()["threads"]``).
+either way (the tiny model's GEMMs gain nothing from a second thread). The test suite
+therefore runs MKL on one thread (tests/conftest.py); benchmarks keep the default and say
+which (``info()["threads"]``).
 """
 
 from __future__ import annotations

@@ -169,8 +169,8 @@ def test_the_profiles_acceptance_rate_is_the_runs_per_token_alpha(model, tmp_pat
     """A profile's ``acceptance_rate`` is Leviathan's per-token alpha, the rate the run's
     summary reports back: with 4 drafts a verification and alpha 0.8, alpha estimates
     within 3.5 standard deviations (3.5 x 0.017 over 500+ judged drafts) of 0.8, while
-    accepted / proposed is near (0.8 + 0.8^2 + 0.8^3 + 0.8^4) / 4 = 0.590 (a little above:
-    the last verifications of a request propose fewer drafts)."""
+    accepted / proposed is near (0.8 + 0.8^2 + 0.8^3 + 0.8^4) / 4 = 0.590 (a request's last
+    verifications propose fewer drafts, which can raise it a little)."""
     engine = modelled(
         model,
         toy_profile(model, tmp_path, acceptance_rate=0.8),

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 # before MKL loads; inherited by every subprocess a test starts; a user's value wins.
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-import harness  # noqa: E402, F401  (switches MLX to MKL before a test module imports mlx)
+import harness  # noqa: F401  (switches MLX to MKL before a test module imports mlx)
 from allocators.base import BlockAllocator
 from harness.cli.run import CONFIG_DIR
 from harness.platform.models import LoadedModel, random_model

@@ -349,8 +349,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         sys.exit(2)
     except KeyboardInterrupt as e:  # what was kept, not where Python happened to be
         terminated = isinstance(e, Terminated)
-        print(f"kvbench: {'terminated' if terminated else 'interrupted'}: {_kept(out)}",
-              file=sys.stderr)  # fmt: skip
+        stop = "terminated" if terminated else "interrupted"
+        print(f"kvbench: {stop}: {_kept(out)}", file=sys.stderr)
         # 128 + the signal, as a shell reports it
         sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
     if not summary["completed"]:  # every figure would be n/a: say why instead

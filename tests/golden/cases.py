@@ -1,0 +1,100 @@
+"""The golden replays: small configs over every allocator, policy and feature, whose
+``requests.parquet`` and ``steps.parquet`` a redesign must leave identical column by column
+(tests/golden/test_golden_tables.py). ``python tests/golden/cases.py`` rewrites the goldens:
+only for an intended change of a figure, named in the same commit with its size and cause.
+
+Model-clock cases are deterministic in every column. Cases that need the model (beam
+search, kv_bits 4) run offline (every request at t=0, so no schedule depends on a measured
+duration) and are compared without the measured columns (``MEASURED``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+PROFILE = str(ROOT / "results/baselines/profile-llama-tiny.json")
+
+MODEL = ("engine.clock=model", f"engine.profile={PROFILE}", "warmup=0", "progress=false")
+REAL = ("trace=offline", "trace.num_requests=12", "warmup=0", "progress=false")
+SMALL = ("engine.num_blocks=48",)  # an arena that preempts
+
+# name -> overrides (applied after tests/conftest.py's TINY ones)
+CASES: dict[str, tuple[str, ...]] = {
+    **{
+        f"alloc_{a}": (*MODEL, f"allocator={a}", "trace=shared_prefix", "trace.users_per_prompt=6")
+        for a in (
+            "free_list", "contiguous", "contiguous_max_len", "contiguous_oracle",
+            "contiguous_pow2", "buddy", "radix",
+        )
+    },  # fmt: skip
+    "fcfs_poisson": (*MODEL, *SMALL, "trace=poisson", "trace.num_requests=40"),
+    "priority_recompute": (*MODEL, *SMALL, "scheduler=priority", "trace=poisson",
+                           "trace.num_requests=40"),
+    "priority_swap": (*MODEL, *SMALL, "scheduler=priority", "scheduler.preemption_mode=swap",
+                      "trace=poisson", "trace.num_requests=40"),
+    "chunked_prefill": (*MODEL, *SMALL, "scheduler=chunked_prefill", "scheduler.max_chunk=32",
+                        "trace=poisson", "trace.num_requests=40", "allocator=radix"),
+    "spec_draft": (*MODEL, "speculative=draft", "trace=poisson", "trace.num_requests=16"),
+    "spec_layerskip": (*REAL, "speculative=layerskip"),
+    "spec_ngram": (*REAL, "speculative=ngram"),
+    "n2": (*MODEL, "sampling.n=2", "allocator=radix", "trace=poisson", "trace.num_requests=16"),
+    "n2_small_arena": (*MODEL, *SMALL, "sampling.n=2", "trace=poisson", "trace.num_requests=24"),
+    "multi_turn_radix": (*MODEL, "allocator=radix", "trace=multi_turn",
+                         "trace.num_conversations=8"),
+    "azure_like": (*MODEL, "trace=azure_like", "trace.num_requests=60", "engine.num_blocks=512"),
+    "mooncake_like": (*MODEL, "allocator=radix", "trace=mooncake_like",
+                      "trace.num_requests=30", "engine.num_blocks=512"),
+    "beam": (*REAL, "sampling=beam", "allocator=radix"),
+    "beam_small_arena": (*REAL, *SMALL, "sampling=beam", "trace.num_requests=8"),
+    "kv_bits4": (*REAL, "engine.kv_bits=4", "engine.kv_group_size=32", "allocator=buddy"),
+    "sliding_window": (*REAL, "model=tiny_gemma3", "allocator=radix"),
+    "swap_real": (*REAL, *SMALL, "scheduler=priority", "scheduler.preemption_mode=swap"),
+}  # fmt: skip
+
+# Columns a measuring clock fills from timings: left out where the case runs the model.
+MEASURED = {
+    "requests": ("first_scheduled_time", "first_token_time", "finish_time", "token_times"),
+    "steps": ("start_time", "duration", "forward_time", "build_time", "swap_time",
+              "mlx_active_bytes", "mlx_peak_bytes"),
+}  # fmt: skip
+
+
+def measured(name: str) -> bool:
+    """The case runs the model (a measuring clock)."""
+    return "engine.clock=model" not in CASES[name]
+
+
+def run_case(name: str, out: Path) -> dict:
+    """Run case ``name`` into ``out``; returns its tables by name (pandas frames)."""
+    import pandas as pd
+    from conftest import compose_config
+
+    from harness.cli.run import run
+
+    run(compose_config(CASES[name]), out)
+    tables = {t: pd.read_parquet(out / f"{t}.parquet") for t in ("requests", "steps")}
+    if measured(name):
+        tables = {t: df.drop(columns=list(MEASURED[t])) for t, df in tables.items()}
+    return tables
+
+
+def main(names: list[str]) -> None:
+    import tempfile
+
+    for name in names or list(CASES):
+        with tempfile.TemporaryDirectory() as tmp:
+            tables = run_case(name, Path(tmp))
+        for t, df in tables.items():
+            df.to_parquet(HERE / f"{name}.{t}.parquet")
+        print(name, {t: len(df) for t, df in tables.items()})
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "tests"))
+    import os
+
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    main(sys.argv[1:])

@@ -36,7 +36,7 @@ from mlx_lm.generate import BatchGenerator
 from harness.bench._components import ALLOCATORS, build, compose_config
 from harness.bench._table import underlined
 from harness.engine import LLMEngine, build_engine
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.platform import blas
 from harness.platform.models import LoadedModel
 from harness.workload.distributions import LogNormal

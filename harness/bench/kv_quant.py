@@ -46,7 +46,7 @@ from harness.cli.replay import replay
 from harness.engine import build_engine
 from harness.engine.kv_cache import KVArena, KVFormat
 from harness.engine.model_runner import ModelRunner, Row
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.platform import smollm2
 from harness.platform.models import LoadedModel
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from allocators.free_list import FreeListAllocator
 from harness.engine import LLMEngine, build_engine, persistence
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.platform.models import LoadedModel, random_model
 from schedulers.fcfs import FCFSScheduler
 

@@ -38,7 +38,7 @@ import numpy as np
 from allocators.base import blocks_for
 from harness.bench._components import build, compose_config, options
 from harness.engine import build_engine
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.platform.models import LoadedModel
 
 MODES = ("recompute", "swap")

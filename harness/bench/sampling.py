@@ -30,15 +30,8 @@ from mlx_lm.generate import generate_step
 
 from harness.bench._table import underlined
 from harness.bench._timing import median_seconds
-from harness.engine.sampling import (
-    SampleRow,
-    SamplingParams,
-    adjust,
-    draw_tokens,
-    filtered,
-    make_rng,
-    sample,
-)
+from harness.engine.sampling import SampleRow, adjust, draw_tokens, filtered, sample
+from harness.engine.sampling_params import SamplingParams, make_rng
 from harness.platform.smollm2 import load_smollm2
 
 CASES = {

@@ -25,7 +25,7 @@ from mlx_lm.generate import generate_step
 
 from harness.bench._components import ALLOCATORS, build, compose_config
 from harness.engine import build_engine
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.platform.models import LoadedModel
 from schedulers.kv_groups import ring_blocks
 

@@ -50,7 +50,7 @@ from allocators.free_list import FreeListAllocator
 from harness.bench._table import underlined
 from harness.engine import build_engine
 from harness.engine.ngram import ngram_lookup
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.engine.speculative import (
     LayerSkip,
     NGram,

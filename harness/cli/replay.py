@@ -17,7 +17,7 @@ from functools import partial
 from tqdm import tqdm
 
 from harness.engine import LLMEngine
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.workload.traces import Trace, TraceError, TraceRequest
 
 

@@ -49,7 +49,7 @@ from harness.analysis.metrics import (
 from harness.cli.config import validate
 from harness.cli.replay import check_trace, replay, sampling_params
 from harness.engine import LLMEngine
-from harness.engine.sampling import SamplingParams, SamplingParamsError
+from harness.engine.sampling_params import SamplingParams, SamplingParamsError
 from harness.platform import machine
 from harness.workload.traces import Trace, max_prefix_hit_rate
 

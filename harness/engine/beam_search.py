@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import SamplingParams, check_fields
+from harness.engine.sampling_params import SamplingParams, check_fields
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from harness.engine.llm_engine import LLMEngine
 from harness.engine.model_runner import key_cost
 from harness.engine.modelled import ModelClock, ModelledProposer, ModelledRunner
 from harness.engine.ngram import NGramProposer
-from harness.engine.sampling import LogprobsMode
+from harness.engine.sampling_params import LogprobsMode
 from harness.engine.speculative import DraftProposer, NGram, Speculative
 from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel

@@ -23,7 +23,7 @@ from dataclasses import replace
 from harness.engine.beam_search import BeamGroup, Hypothesis
 from harness.engine.request import CompletionOutput, RequestOutput
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import make_rng
+from harness.engine.sampling_params import make_rng
 from schedulers.request import Status
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from harness.engine.beam_search import BeamGroup, BeamSearchParams
 from harness.engine.pipeline import INFLIGHT
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import SamplingParams, make_rng
+from harness.engine.sampling_params import SamplingParams, make_rng
 from harness.platform.models import LoadedModel
 
 Params = SamplingParams | BeamSearchParams  # how a request generates

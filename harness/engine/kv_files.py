@@ -25,7 +25,7 @@ from allocators.base import blocks_for
 from harness.engine import persistence
 from harness.engine.kv_cache import HostBlocks
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from schedulers.request import Status
 
 

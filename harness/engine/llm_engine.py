@@ -39,7 +39,8 @@ from harness.engine.pipeline import Pipelined
 from harness.engine.recorder import Recorder
 from harness.engine.request import RequestOutput
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import LOGPROBS_MODES, LogprobsMode, sample
+from harness.engine.sampling import sample
+from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode
 from harness.engine.speculative import (
     Proposal,
     Proposer,

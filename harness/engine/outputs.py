@@ -24,7 +24,8 @@ import numpy as np
 
 from harness.engine.request import CompletionOutput, RequestOutput
 from harness.engine.request import Sequence as Seq
-from harness.engine.sampling import SampleRow, TokenLogprobs, logprob_dict, logprob_values
+from harness.engine.sampling import SampleRow, logprob_dict, logprob_values
+from harness.engine.sampling_params import TokenLogprobs
 from harness.engine.speculative import Verified
 from schedulers.request import Status
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from harness.engine.sampling import SamplingParams, TokenLogprobs
+from harness.engine.sampling_params import SamplingParams, TokenLogprobs
 from schedulers.request import Status
 
 

@@ -44,15 +44,14 @@ from harness.engine.kv_cache import UNQUANTIZED, KVArena, KVFormat
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.request import Sequence as Seq
 from harness.engine.sampling import (
-    LogprobsMode,
     SampleRow,
-    TokenLogprobs,
     adjust_logits,
     draw_tokens,
     filtered_probs,
     logprob_dict,
     logprob_values,
 )
+from harness.engine.sampling_params import LogprobsMode, TokenLogprobs
 from harness.platform.models import LoadedModel, prefix_model, random_model
 from schedulers.output import Scheduled
 

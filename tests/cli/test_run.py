@@ -374,7 +374,7 @@ def test_the_sampling_node_builds_each_requests_params() -> None:
     from functools import partial
 
     from harness.cli.replay import sampling_params
-    from harness.engine.sampling import SamplingParams
+    from harness.engine.sampling_params import SamplingParams
     from harness.workload.traces import TraceRequest
 
     req = TraceRequest("r", 0.0, (1, 2, 3), max_tokens=7)

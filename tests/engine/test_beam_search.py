@@ -16,7 +16,7 @@ from harness.analysis.metrics import requests_frame, steps_frame, summarize
 from harness.engine import build_engine
 from harness.engine.beam_search import BeamGroup, BeamSearchParams, score, top_candidates
 from harness.engine.request import Sequence
-from harness.engine.sampling import SamplingParams, SamplingParamsError
+from harness.engine.sampling_params import SamplingParams, SamplingParamsError
 from schedulers.fcfs import FCFSScheduler
 
 MAX_TOKENS = 6

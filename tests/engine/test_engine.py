@@ -24,7 +24,8 @@ from allocators.radix import RadixAllocator
 from harness.engine import RequestError, build_engine
 from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
-from harness.engine.sampling import SamplingParams, sample
+from harness.engine.sampling import sample
+from harness.engine.sampling_params import SamplingParams
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler

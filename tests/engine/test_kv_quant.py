@@ -21,7 +21,7 @@ from harness.engine import build_engine, persistence
 from harness.engine.beam_search import BeamSearchParams
 from harness.engine.kv_cache import KVArena, KVFormat
 from harness.engine.persistence import KVRestoreWarning
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.engine.speculative import Speculation
 from harness.platform.models import noisy_copy, random_model
 from schedulers.chunked_prefill import ChunkedPrefillScheduler

@@ -18,14 +18,8 @@ from reference import mlx_lm_logprobs
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import build_engine
-from harness.engine.sampling import (
-    Logprob,
-    SampleRow,
-    SamplingParams,
-    SamplingParamsError,
-    make_rng,
-    sample,
-)
+from harness.engine.sampling import SampleRow, sample
+from harness.engine.sampling_params import Logprob, SamplingParams, SamplingParamsError, make_rng
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 

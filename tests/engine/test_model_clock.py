@@ -19,7 +19,7 @@ from harness.costmodel.features import FEATURES
 from harness.costmodel.profile import FORMAT, VERSION, fingerprint, save
 from harness.engine import build_engine
 from harness.engine.intake import RequestError
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.engine.speculative import LayerSkip, NGram, Speculation
 from schedulers.fcfs import FCFSScheduler
 

@@ -14,7 +14,7 @@ from test_engine import ALLOCATORS, assert_all_free
 
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
 from harness.engine import build_engine
-from harness.engine.sampling import SamplingParams, SamplingParamsError
+from harness.engine.sampling_params import SamplingParams, SamplingParamsError
 from schedulers.fcfs import FCFSScheduler
 
 MAX_TOKENS = 8

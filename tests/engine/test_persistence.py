@@ -20,7 +20,7 @@ from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import RequestError, build_engine, persistence
 from harness.engine.persistence import KVFileError, KVRestoreWarning, KVSpec
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.platform.models import random_model
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler

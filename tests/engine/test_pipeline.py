@@ -14,7 +14,7 @@ from test_engine import ALLOCATORS, assert_all_free
 
 from harness.engine import build_engine
 from harness.engine.pipeline import INFLIGHT
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from schedulers.fcfs import FCFSScheduler
 
 MAX_TOKENS = 12

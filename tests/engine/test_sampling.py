@@ -9,15 +9,8 @@ import numpy as np
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from harness.engine import sampling
-from harness.engine.sampling import (
-    SampleRow,
-    SamplingParams,
-    adjust,
-    draw_tokens,
-    filtered,
-    make_rng,
-    sample,
-)
+from harness.engine.sampling import SampleRow, adjust, draw_tokens, filtered, sample
+from harness.engine.sampling_params import SamplingParams, make_rng
 
 CHI2_999_DOF3 = 16.266  # upper 0.1 % point: a correct sampler fails 1 run in 1000
 

@@ -26,7 +26,7 @@ from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import RequestError, build_engine
 from harness.engine.beam_search import BeamSearchParams
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.engine.speculative import Speculation
 from harness.platform.models import random_model
 from schedulers.chunked_prefill import ChunkedPrefillScheduler

@@ -22,7 +22,8 @@ from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
 from harness.engine import build_engine
-from harness.engine.sampling import SampleRow, SamplingParams, adjust_logits, filtered_probs
+from harness.engine.sampling import SampleRow, adjust_logits, filtered_probs
+from harness.engine.sampling_params import SamplingParams
 from harness.engine.speculative import Proposal, Speculation, accept_or_resample, verify
 from harness.platform.models import noisy_copy, random_model
 from schedulers.base import simultaneous

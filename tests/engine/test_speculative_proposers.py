@@ -23,7 +23,8 @@ from harness.cli.config import validate
 from harness.engine import build_engine
 from harness.engine.ngram import NGramProposer, ngram_lookup
 from harness.engine.request import Sequence
-from harness.engine.sampling import SampleRow, SamplingParams, adjust_logits, filtered_probs
+from harness.engine.sampling import SampleRow, adjust_logits, filtered_probs
+from harness.engine.sampling_params import SamplingParams
 from harness.engine.speculative import LayerSkip, NGram, Proposal, Speculation, verify
 from harness.platform.models import prefix_model, random_model
 from schedulers.fcfs import FCFSScheduler

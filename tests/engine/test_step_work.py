@@ -11,7 +11,7 @@ from functools import partial
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from harness.engine import build_engine
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from schedulers.fcfs import FCFSScheduler
 
 WORK = ("row_groups", "query_tokens_padded", "kv_slots_read", "kv_slots_attended")

@@ -16,7 +16,7 @@ from reference import mlx_lm_tokens
 
 from allocators.free_list import FreeListAllocator
 from harness.engine import LLMEngine, build_engine
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.platform.models import LoadedModel, load_pretrained
 from schedulers.fcfs import FCFSScheduler
 

@@ -14,7 +14,7 @@ from reference import mlx_lm_tokens
 
 from allocators.free_list import FreeListAllocator
 from harness.engine import build_engine
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from harness.platform import smollm2 as smol
 from schedulers.fcfs import FCFSScheduler
 

@@ -22,7 +22,7 @@ from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.radix import RadixAllocator
 from harness.engine.request import Sequence
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from schedulers.base import Scheduler
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler

@@ -15,7 +15,7 @@ from allocators.free_list import FreeListAllocator
 from harness.engine import build_engine
 from harness.engine.kv_cache import KVArena
 from harness.engine.request import Sequence
-from harness.engine.sampling import SamplingParams
+from harness.engine.sampling_params import SamplingParams
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler

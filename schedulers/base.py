@@ -58,21 +58,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain
 
 from allocators.base import Allocation, BlockAllocator, blocks_for
 from schedulers.kv_groups import DraftKV, WindowRings
 from schedulers.output import (  # noqa: F401  (re-exported: part of the contract)
+    INFLIGHT,
     Holding,
     KVStats,
     Preemption,
     Scheduled,
     SchedulerOutput,
+    StepResults,
     SwapIn,
     SwapOut,
 )
 from schedulers.request import Request, Status
+from schedulers.stopping import Stopping
 
 PREFIX_SLOT = "\0restore-prefix-cache"  # a scratch sequence no request is (restore_prefix)
 
@@ -109,6 +112,8 @@ class Scheduler(ABC):
         window: builds the sliding-window rings for ``max_num_seqs`` sequences (a model with
             window layers; the engine sets it). Admission then reads no prefix cache: a
             cached prefix does not hold the window layers' KV.
+        stopping: the model's EOS ids and detokenizer for the stop checks (the engine sets
+            it); without, sequences stop by length and stop_token_ids alone.
     """
 
     chunked_prefill = False
@@ -129,6 +134,7 @@ class Scheduler(ABC):
         num_lookahead_slots: int = 0,
         draft: BlockAllocator | None = None,
         window: Callable[..., WindowRings] | None = None,
+        stopping: Stopping | None = None,
     ) -> None:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.chunked_prefill else max(max_model_len, 2048)
@@ -182,34 +188,46 @@ class Scheduler(ABC):
         # (restored from a file), written back when it is admitted instead of computed.
         self.restored: dict[str, int] = {}
         self.parked: set[Request] = set()  # need no step until unparked (see park)
+        # Released to stop on a token still on the device (pipelined steps), by request id.
+        self.draining: dict[str, Request] = {}
+        self.keep_kv: set[str] = set()  # requests whose KV the engine saves when they stop
+        self.finished: list[Request] = []  # since the engine last took them
+        self.released: list[tuple[Request, tuple[int, ...] | None]] = []  # kept KV, ditto
+        self.stopping = stopping or Stopping()
         self.num_lookahead_slots = num_lookahead_slots
         self.draft = DraftKV(draft) if draft is not None else None
         self.rings = window(max_num_seqs=max_num_seqs) if window is not None else None
         self.read_prefix_cache = window is None
 
     # -- requests in and out -------------------------------------------------------------
-    def add(self, seq: Request, restored: int = 0) -> None:
+    def add(self, seq: Request, restored: int = 0, keep_kv: bool = False) -> None:
         """Queue a request. ``restored``: the engine holds the KV of its first ``restored``
         tokens in host memory (a file); admission writes those blocks back, as a swap-in
-        (``SwapIn`` in the same step), and computes only the rest."""
+        (``SwapIn`` in the same step), and computes only the rest. ``keep_kv``: when it stops,
+        its block table is handed over before its blocks go (``take_released``: the engine
+        saves its KV)."""
         seq.status = Status.WAITING
         self.waiting.append(seq)
         self.allocator.expect(seq.request_id, self._final_slots(seq))
         if restored:
             self.restored[seq.request_id] = restored
+        if keep_kv:
+            self.keep_kv.add(seq.request_id)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Remove a request in any state and free its blocks (the engine drops its host
-        copy); None if it is not here."""
-        for queue in (self.waiting, self.running, self.swapped):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    self.finish(seq)
-                    return seq
-        return None
+    def abort(self, request_id: str, now: float, reason: str) -> Request | None:
+        """Stop a request in any state, its blocks free when this returns; None if it is not
+        here. A token still on the device (pipelined steps) is never emitted."""
+        seq = self.draining.get(request_id)
+        if seq is None:
+            seq = next((s for s in self.unfinished() if s.request_id == request_id), None)
+        if seq is not None:
+            if seq.token_ids[-1] == INFLIGHT:
+                seq.token_ids.pop()
+            self.finish(seq, "abort", now, abort_reason=reason)
+        return seq
 
     def fork(self, parent: Request, child: Request) -> Allocation | None:
-        """Run ``child`` beside ``parent`` on the parent's KV (parallel sampling): the
+        """Run ``child`` beside ``parent`` on the parent's KV (parallel sampling, beams): the
         allocator shares or copies the parent's blocks (``Allocation.copies`` for the
         engine). Without room, at ``max_num_seqs``, or when the parent holds no blocks (it
         was preempted), the child waits at the head of the line and recomputes."""
@@ -222,7 +240,7 @@ class Scheduler(ABC):
             child.status = Status.WAITING
             self.waiting.appendleft(child)
             return None
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_computed_tokens = child.num_forked_tokens = parent.num_computed_tokens
         child.num_cached_tokens = 0  # on the device by a fork: it looks nothing up
         child.status = Status.RUNNING
         self.running.append(child)
@@ -234,22 +252,79 @@ class Scheduler(ABC):
         """``seq`` needs no step until ``unpark``; it keeps its blocks while memory allows."""
         self.parked.add(seq)
 
-    def unpark(self, seq: Request) -> None:
+    def unpark(self, seq: Request, token: int) -> None:
+        """A parked beam goes on with ``token``, the one its search chose for it."""
+        seq.token_ids.append(token)
         self.parked.discard(seq)
 
-    def finish(self, seq: Request) -> None:
-        """A sequence is done: release its blocks (cached blocks may stay shared). It is
-        running, or, when the engine pipelines steps, it may have been preempted after its
-        last token was sampled and before the engine read it."""
+    def finish(
+        self,
+        seq: Request,
+        reason: str | None = None,
+        now: float | None = None,
+        *,
+        stop_reason: str | int | None = None,
+        abort_reason: str | None = None,
+    ) -> None:
+        """The one way a sequence leaves, whatever ends it: a stop, an abort, a rejection, a
+        beam its search dropped (``reason`` None: it records no finish), a completion.
+
+        Its blocks go back (a sequence whose KV is kept hands its table over first), its
+        queues and hints forget it, and it is FINISHED with its reasons at ``now``; the
+        engine takes it from ``take_finished``. Cached blocks may stay shared."""
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
                 break
-        self._release(seq.request_id)
-        self.allocator.expect(seq.request_id, None)
-        self.host_blocks.pop(seq.request_id, None)
-        self.restored.pop(seq.request_id, None)
+        self._let_go(seq, reason, now, stop_reason, abort_reason)
+
+    def _let_go(
+        self,
+        seq: Request,
+        reason: str | None,
+        now: float | None,
+        stop_reason: str | int | None = None,
+        abort_reason: str | None = None,
+    ) -> None:
+        """``finish`` once ``seq`` is out of its queue."""
+        rid = seq.request_id
+        if self.draining.pop(rid, None) is None:  # a drained sequence gave its blocks back
+            self._give_back(seq, keep=reason != "abort")  # an aborted request saves no KV
+        self.allocator.expect(rid, None)
+        self.host_blocks.pop(rid, None)
+        self.restored.pop(rid, None)
         self.parked.discard(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = now
+        seq.stop_reason = stop_reason
+        seq.abort_reason = abort_reason
+        self.finished.append(seq)
+
+    def _give_back(self, seq: Request, keep: bool) -> None:
+        """Release everything ``seq`` holds; when its KV is kept and ``keep``, hand its table
+        over first (None unless it is on the device: a swapped or recomputed one's KV is in
+        the engine's host copy, or nowhere)."""
+        rid = seq.request_id
+        if self.keep_kv and rid in self.keep_kv:
+            self.keep_kv.discard(rid)
+            if keep:
+                on_device = seq.status is Status.RUNNING
+                table = tuple(self.allocator.block_table(rid)) if on_device else None
+                self.released.append((seq, table))
+        self._release(rid)
+
+    def take_finished(self) -> list[Request]:
+        """The sequences that finished since the last call, in the order they did."""
+        finished, self.finished = self.finished, []
+        return finished
+
+    def take_released(self) -> list[tuple[Request, tuple[int, ...] | None]]:
+        """Sequences whose KV is kept (``add(keep_kv=True)``) that gave their blocks back
+        since the last call, each with its block table then (None: not on the device). The
+        blocks are free but unwritten until the next step's block moves and forward."""
+        released, self.released = self.released, []
+        return released
 
     def _final_slots(self, seq: Request) -> int:
         """The KV slots ``seq`` holds when it finishes: its prompt and ``max_tokens`` outputs
@@ -267,38 +342,56 @@ class Scheduler(ABC):
         return self.rings.release(request_id) if self.rings is not None else ()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        """A request waits, runs, is swapped out or drains (pipelined)."""
+        return bool(self.waiting or self.running or self.swapped or self.draining)
 
     def unfinished(self) -> list[Request]:
-        """Every request waiting, running or swapped out."""
-        return [*self.waiting, *self.running, *self.swapped]
+        """Every request waiting, running, swapped out or draining."""
+        return [*self.waiting, *self.running, *self.swapped, *self.draining.values()]
 
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.draining)
 
     def next_incoming(self) -> Request | None:
         """The request that comes in next when room allows (the head of the line)."""
         return next(self._incoming(), None)
 
+    def at_length(self, seq: Request) -> bool:
+        """``seq`` stops on its last token whatever it is (max_tokens, the length limit)."""
+        n = len(seq.token_ids)
+        return n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= self.max_seq_len
+
     # -- a step's results ----------------------------------------------------------------
     def update(
-        self, plan: SchedulerOutput, accepted: Mapping[Request, Sequence[int]] | None = None
-    ) -> None:
-        """The plan's rows ran: advance each scheduled sequence by the KV its row wrote and
-        offer newly full blocks to the prefix cache (before any stop frees them uncached).
+        self, plan: SchedulerOutput, results: StepResults
+    ) -> list[tuple[Request, Request, Allocation]]:
+        """The plan's rows ran: the one place a step moves its sequences (vLLM v1's
+        ``update_from_output``). In order:
 
-        A verification (``num_draft_tokens``) wrote the sequence's last token and the drafts
-        ``accepted[seq]`` lists (those kept); the rejected drafts' slots are trimmed, in the
-        target's arena and the draft's. A sequence that finished while its row computed
-        (pipelined steps: it stopped on the previous step's token) is skipped."""
+            progress  each scheduled sequence advances by the KV its row wrote; newly full
+                      blocks go to the prefix cache (before any stop frees them uncached); a
+                      verification keeps its last token and the accepted drafts (all its
+                      tokens but the last) and trims the rejected drafts' slots, in the
+                      target's arena and the draft's
+            forks     ``results.forks``' children join on their parents' KV (``fork``)
+            tokens    each sequence appends its tokens, stamped ``results.now``, and stops
+                      where a stop check says (``finish``); what follows a stop is dropped.
+                      Pending tokens (pipelined) are placeholders: a sequence sure to stop on
+                      its (max_tokens, the length limit) gives its blocks back now and
+                      drains until ``resolve``
+
+        A sequence that finished while its row computed (pipelined: it stopped on the
+        previous step's token) is skipped. Returns the forks that got KV, with their
+        allocations (block copies for the engine)."""
         bs = self.allocator.block_size
+        tokens = results.tokens
         for s in plan.scheduled:
             seq = s.seq
             if seq.status is Status.FINISHED:
                 continue
             before = seq.num_computed_tokens
             if s.num_draft_tokens:
-                kept = accepted[seq]
+                kept = tokens[seq][:-1]
                 seq.num_computed_tokens += len(kept) + 1
                 if seq.num_computed_tokens // bs > before // bs:
                     self._commit(seq, [*seq.token_ids, *kept])
@@ -309,6 +402,54 @@ class Scheduler(ABC):
                 seq.num_computed_tokens = after = before + s.num_new_tokens
                 if after // bs > before // bs:
                     self._commit(seq, seq.token_ids)
+        forked = []
+        for parent, child in results.forks:
+            alloc = self.fork(parent, child)
+            if alloc is not None:
+                forked.append((parent, child, alloc))
+        if results.pending:
+            for seq in tokens:
+                if seq.status is Status.FINISHED:
+                    continue
+                seq.token_ids.append(INFLIGHT)
+                if self.at_length(seq):
+                    self._drain(seq)
+            return forked
+        now = results.now
+        for seq, new in tokens.items():
+            for token in new:
+                seq.token_ids.append(token)
+                if self._emit(seq, token, now):
+                    break
+        return forked
+
+    def resolve(self, seq: Request, token: int, now: float) -> None:
+        """``seq``'s pending token (pipelined) is ``token``, on the host at ``now``."""
+        seq.token_ids[-1] = token
+        self._emit(seq, token, now)
+
+    def _emit(self, seq: Request, token: int, now: float) -> bool:
+        """``token``, ``seq``'s last, exists on the host at ``now``: stamp it and finish the
+        sequence if it stops here (True)."""
+        seq.token_times.append(now)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        reason, why = self.stopping.check(seq, token, self.max_seq_len)
+        if reason is None:
+            return False
+        self.finish(seq, reason, now, stop_reason=why)
+        return True
+
+    def _drain(self, seq: Request) -> None:
+        """``seq`` stops on its pending token: its blocks go back before that token is read."""
+        self.running.remove(seq)
+        rid = seq.request_id
+        self._give_back(seq, keep=True)
+        self.allocator.expect(rid, None)
+        self.host_blocks.pop(rid, None)
+        self.restored.pop(rid, None)
+        self.parked.discard(seq)
+        self.draining[rid] = seq
 
     def _commit(self, seq: Request, token_ids: Sequence[int]) -> None:
         """Tell the allocator about newly full blocks of written KV (prefix caches share
@@ -421,7 +562,7 @@ class Scheduler(ABC):
                     continue
                 self.draft.computed[rid] = s.seq.num_tokens + k - 1
                 out.draft_copies.extend(drafted.copies)
-            out.scheduled[i] = Scheduled(s.seq, k + 1, num_draft_tokens=k, draft_start=start)
+            out.scheduled[i] = Scheduled(s.seq, k + 1, k, start, True)
             budget -= k
         out.copies = simultaneous(copies)
         out.draft_copies = simultaneous(out.draft_copies)
@@ -488,8 +629,7 @@ class Scheduler(ABC):
                 break  # it made room for someone this step; do not undo that
             if not swapped and (reason := self._never_fits(seq)):
                 leaving.append((self.waiting, seq))
-                self.restored.pop(seq.request_id, None)
-                self.allocator.expect(seq.request_id, None)
+                self._let_go(seq, "abort", now, abort_reason=reason)
                 out.rejected.append((seq, reason))
                 continue
             # Blocks still in the prefix cache come back without a copy (radix). A request
@@ -509,11 +649,10 @@ class Scheduler(ABC):
                 if (n > 0 or swapped) and not self.running:
                     # Nothing else holds blocks: it will never fit.
                     leaving.append((self.swapped if swapped else self.waiting, seq))
-                    self.host_blocks.pop(seq.request_id, None)
-                    self.restored.pop(seq.request_id, None)
-                    self.allocator.expect(seq.request_id, None)
                     need = seq.num_computed_tokens if swapped else seq.num_tokens
-                    out.rejected.append((seq, f"{need} KV slots do not fit in the empty arena"))
+                    reason = f"{need} KV slots do not fit in the empty arena"
+                    self._let_go(seq, "abort", now, abort_reason=reason)
+                    out.rejected.append((seq, reason))
                     continue
                 break
             self.running.append(seq)
@@ -577,7 +716,7 @@ class Scheduler(ABC):
     def _run(out: SchedulerOutput, seq: Request, n: int, alloc: Allocation, budget: int) -> int:
         if alloc.copies:
             out.copies.extend(alloc.copies)
-        out.scheduled.append(Scheduled(seq, n))
+        out.scheduled.append(Scheduled(seq, n, 0, 0, seq.num_computed_tokens + n == seq.num_tokens))
         return budget - n
 
     def _never_fits(self, seq: Request) -> str | None:

@@ -27,7 +27,9 @@ class Scheduled(NamedTuple):
     of the ``num_new_tokens`` slots are reserved for proposals, not yet in ``seq`` (a proposer
     may fill fewer: n-gram lookup). A draft model first catches up from ``draft_start`` (its
     tokens with draft KV) and has slots for the sequence's tokens and its first
-    ``num_draft_tokens - 1`` proposals.
+    ``num_draft_tokens - 1`` proposals. ``samples``: the row computes the sequence's last
+    token, so its logits give the next one; decided when the plan is made, never recomputed
+    from the sequence as the step changes it.
 
     Immutable, as every record of the plan; a named tuple, not a frozen dataclass, because
     one is made per running sequence per step, and a frozen dataclass costs 2.4x as much to
@@ -38,6 +40,7 @@ class Scheduled(NamedTuple):
     num_new_tokens: int
     num_draft_tokens: int = 0
     draft_start: int = 0
+    samples: bool = False  # its row ends at the sequence's end: it yields a token
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,26 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+INFLIGHT = -1  # a sampled token still on the device (pipelined steps): its place in token_ids
+
+
+@dataclass
+class StepResults:
+    """What a step's rows produced, handed back to ``Scheduler.update``.
+
+    ``tokens``: per sequence, in order, the tokens to append: a sampling row's one token, or
+    a verification's accepted drafts and then its correction or bonus token. ``forks``:
+    (parent, child) completions forked off a parent whose prompt just finished (n > 1),
+    after its progress and before any token is appended. ``now``: when the tokens exist on
+    the host; None when they are still on the device (``pending``, pipelined steps: each
+    gets an ``INFLIGHT`` placeholder that ``Scheduler.resolve`` replaces a step later)."""
+
+    tokens: dict[Request, list[int]] = field(default_factory=dict)
+    forks: list[tuple[Request, Request]] = field(default_factory=list)
+    now: float | None = None
+    pending: bool = False
 
 
 class Holding(NamedTuple):

@@ -1,15 +1,17 @@
-"""What a scheduling policy reads and sets on a request: a narrow protocol, so policies
-depend on no engine module (the engine's ``Sequence`` implements it).
+"""What the scheduler side reads and sets on a request: a narrow protocol, so it depends on
+no engine module (the engine's ``Seq`` implements it).
 
-A policy reads a request's identity, rank and token counts, and sets only its scheduling
-state: ``status``, ``num_computed_tokens`` (admission, preemption), ``num_cached_tokens``
-and ``first_scheduled_time`` (first admission) and ``preemptions``.
+The scheduler reads a request's identity, rank, parameters and token counts, and is the one
+writer of its state as it moves: ``status``, ``num_computed_tokens`` (admission,
+preemption, each step's progress), ``num_cached_tokens``, ``num_forked_tokens`` and
+``first_scheduled_time`` (admission, fork), ``preemptions``, the tokens it appends
+(``token_ids``, stamped in ``token_times`` and ``first_token_time``) and how it finished
+(``finish_reason``, ``finish_time``, ``stop_reason``, ``abort_reason``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -22,6 +24,10 @@ class Status(enum.Enum):
 
 class RequestParams(Protocol):
     max_tokens: int  # the output budget (shortest-remaining victims, speculation's headroom)
+    min_tokens: int  # output tokens before a stop token, EOS or stop string counts
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    stop: tuple[str, ...]  # stop strings
 
     @property
     def skip_reading_prefix_cache(self) -> bool: ...  # compute every prompt position (vLLM's)
@@ -31,15 +37,23 @@ class Request(Protocol):
     """A request as a policy sees it."""
 
     request_id: str
-    token_ids: Sequence[int]  # prompt + output so far (prefix-cache matching reads it)
+    token_ids: list[int]  # prompt + output so far (prefix-cache matching reads it)
+    num_prompt_tokens: int
     params: RequestParams
     priority: int
     arrival_time: float
     status: Status
     num_computed_tokens: int  # tokens whose KV is in the arena
     num_cached_tokens: int | None
+    num_forked_tokens: int
     first_scheduled_time: float | None
     preemptions: int
+    token_times: list[float]
+    first_token_time: float | None
+    finish_reason: str | None
+    finish_time: float | None
+    stop_reason: str | int | None
+    abort_reason: str | None
 
     @property
     def num_tokens(self) -> int: ...

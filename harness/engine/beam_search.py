@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from harness.engine.request import Sequence as Seq
+from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams, check_fields
 
 

@@ -7,7 +7,8 @@ engine (the ``engine`` config group's ``_target_``, and what scripts and tests c
             ├── window rings (sliding-window layers) ── sized by the policy's max_num_seqs
             └── num_blocks (given, or what kv_cache_bytes pays for after the rings, at
                 kv_bits: a quantized block's packed values, scales and biases)
-    allocator(num_blocks, block_size) ── scheduler(allocator, draft=, window=) ── LLMEngine
+    allocator(num_blocks, block_size) ── scheduler(allocator, draft=, window=, stopping=)
+        ── LLMEngine
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler
 from schedulers.kv_groups import WindowRings
+from schedulers.stopping import Stopping
 
 DEFAULT_MAX_MODEL_LEN = 2048  # for a model whose config sets no max_position_embeddings
 
@@ -131,6 +133,9 @@ def build_engine(
     if model.window_layers:
         window = partial(WindowRings, allocator, window=model.window, block_size=block_size)
 
+    tokenizer = model.tokenizer
+    stopping = Stopping(model.eos_token_ids, tokenizer.decode if tokenizer is not None else None)
+
     def policy(num_blocks: int) -> Scheduler:
         return scheduler(
             allocator(num_blocks=num_blocks, block_size=block_size),
@@ -138,6 +143,7 @@ def build_engine(
             num_lookahead_slots=speculative.num_draft_tokens if speculative else 0,
             draft=allocator(num_blocks=num_blocks, block_size=block_size) if draft else None,
             window=window,
+            stopping=stopping,
         )
 
     if num_blocks is None:

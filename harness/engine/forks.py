@@ -8,60 +8,70 @@
         forks one chosen k times into k - 1 children (ids ID/beam1, ...) and appends each
         beam's token (harness/engine/beam_search.py has the search itself)
 
-A fork asks the scheduler (``Scheduler.fork``), which shares or copies the parent's blocks
-through the allocator, or queues the child to recompute when there is no room; the engine
-copies the blocks the allocator says to (and a window model's ring).
-
-``Forks`` is a part of ``LLMEngine`` (harness/engine/llm_engine.py); it owns ``_groups``
-(the completions of requests with n > 1) and ``_beams`` (beam searches, by request id).
+A fork asks the scheduler (``Scheduler.fork``; for completions, ``Scheduler.update`` does it
+after the parent's progress), which shares or copies the parent's blocks through the
+allocator, or queues the child to recompute when there is no room; ``Forks`` copies the
+blocks the allocator says to (and a window model's ring). It makes the children, runs beam
+rounds and ends searches; the request table keeps them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
-from harness.engine.beam_search import BeamGroup, Hypothesis
-from harness.engine.request import CompletionOutput, RequestOutput
-from harness.engine.request import Sequence as Seq
+import numpy as np
+
+from allocators.base import Allocation
+from harness.engine.beam_search import BeamGroup
+from harness.engine.model_runner import Runner
+from harness.engine.outputs import OutputProcessor
+from harness.engine.recorder import Recorder
+from harness.engine.request import RequestOutput, Seq
+from harness.engine.request_table import RequestTable
 from harness.engine.sampling_params import make_rng
-from schedulers.request import Status
+from harness.engine.window import WindowGroup
+from schedulers.base import Scheduler
 
 
 class Forks:
     """Parallel sampling's completions and beam search's rounds."""
 
-    def _ids_taken(self, request_id: str, n: int, beam: bool) -> list[str]:
-        """The ids a new request would take that are in use: completions 1.. of a request
-        with n > 1 take ``ID/1, ID/2, ...``, a beam search's beams ``ID/beam1, ...``, and any
-        ``ID/...`` may be taken later."""
-        ids = [request_id, *(f"{request_id}/{i}" for i in range(1, n))]
-        taken = [i for i in ids if i in self._requests or self._completion_id(i)]
-        if request_id in self._groups or request_id in self._beams:
-            taken.append(request_id)  # its first sequence finished, the request runs
-        if beam:
-            taken += [i for i in self._requests if i.startswith(f"{request_id}/")]
-        return taken
+    def __init__(
+        self,
+        requests: RequestTable,
+        scheduler: Scheduler,
+        runner: Runner,
+        window: WindowGroup | None,
+        outputs: OutputProcessor,
+        recorder: Recorder,
+    ) -> None:
+        self.requests = requests
+        self.scheduler = scheduler
+        self.runner = runner
+        self.window = window
+        self.outputs = outputs
+        self.recorder = recorder
 
-    def _completion_id(self, request_id: str) -> bool:
-        """``request_id`` is (or will be) a completion of a running request with n > 1, or a
-        beam of a running beam search (any ``ID/...``)."""
-        parent, _, index = request_id.rpartition("/")
-        if parent in self._beams:
-            return True
-        group = self._groups.get(parent)
-        return group is not None and index.isdigit() and 0 < int(index) < group[0].params.n
+    def completions(self, parent: Seq) -> list[Seq]:
+        """The other n - 1 completions of ``parent``'s request, made when its prompt is done
+        (``Scheduler.update`` forks them onto its KV); completion i samples with seed
+        ``seed + i`` (vLLM)."""
+        return [
+            self._child(parent, f"{parent.request_id}/{i}", i, parent.seed + i)
+            for i in range(1, parent.params.n)
+        ]
 
-    def _fork(self, parent: Seq) -> list[Seq]:
-        """The other n - 1 completions of ``parent``'s request, on its prompt's KV (shared
-        or copied by the allocator); completion i samples with seed ``seed + i`` (vLLM)."""
-        group = self._groups[parent.group_id]
-        for i in range(1, parent.params.n):
-            group.append(self._child(parent, f"{parent.request_id}/{i}", i, parent.seed + i))
-        return group[1:]
+    def copy_forked(self, forked: Sequence[tuple[Seq, Seq, Allocation]]) -> None:
+        """Children that got their parents' KV: copy the blocks their allocations say to
+        (copy-on-write), and a window model's ring, which is copied, never shared."""
+        for parent, child, allocation in forked:
+            self.runner.copy_blocks(allocation.copies)
+            if self.window is not None:
+                self.window.fork(parent.request_id, child.request_id)
 
     def _child(self, parent: Seq, request_id: str, index: int, seed: int) -> Seq:
-        """A sequence forked off ``parent``'s tokens and KV (shared or copied by the
-        allocator; without room it waits and recomputes them), seeded with ``seed``."""
+        """A sequence on ``parent``'s tokens, seeded with ``seed``, in the request table."""
         child = Seq(
             request_id=request_id,
             token_ids=list(parent.token_ids),
@@ -73,19 +83,22 @@ class Forks:
             seed=seed,
             ttft_slo=parent.ttft_slo,
             tpot_slo=parent.tpot_slo,
+            first_scheduled_time=parent.first_scheduled_time,
             cumulative_logprob=parent.cumulative_logprob,
             index=index,
             group_id=parent.group_id,
         )
-        child.first_scheduled_time = parent.first_scheduled_time
-        self._requests[child.request_id] = child
-        allocation = self.scheduler.fork(parent, child)
-        if allocation is not None:  # its KV is the parent's
-            child.num_forked_tokens = parent.num_computed_tokens
-            self.runner.copy_blocks(allocation.copies)
-            if self.window is not None:  # a ring is copied, never shared
-                self.window.fork(parent.request_id, child.request_id)
+        self.requests.add_child(child)
         return child
+
+    def offer(self, beam: Seq, logits: np.ndarray, now: float) -> list[RequestOutput]:
+        """``beam`` offers its candidates (its row's logits); once every live beam of its
+        search has, the round runs. Until then it is parked."""
+        group = self.requests.beams[beam.group_id]
+        if group.offer(beam, logits):
+            return self._next_beams(group, now)
+        self.scheduler.park(beam)  # until its siblings have offered too
+        return []
 
     def _next_beams(self, group: BeamGroup, now: float) -> list[RequestOutput]:
         """Every beam has offered: the round's selection becomes KV operations. A parent
@@ -104,31 +117,30 @@ class Forks:
             seen.add(parent)
             beams.append((beam, token, total))
         for beam, token, total in beams:
-            beam.token_ids.append(token)
             beam.cumulative_logprob = total
-            self.scheduler.unpark(beam)
+            self.scheduler.unpark(beam, token)
         group.beams = [beam for beam, _, _ in beams]
         if not group.beams:
-            return self._end_beams(group, "stop", now)
-        if self._last_token(group.beams[0]):  # the beams are all one length
-            return self._end_beams(group, "length", now)
+            return self.end_beams(group, "stop", now)
+        if self.scheduler.at_length(group.beams[0]):  # the beams are all one length
+            return self.end_beams(group, "length", now)
         return []
 
     def _fork_beam(self, group: BeamGroup, parent: Seq) -> Seq:
         group.forks += 1
-        return self._child(parent, f"{group.root.request_id}/beam{group.forks}", 0, parent.seed)
+        child = self._child(parent, f"{group.root.request_id}/beam{group.forks}", 0, parent.seed)
+        allocation = self.scheduler.fork(parent, child)
+        if allocation is not None:  # its KV is the parent's
+            self.copy_forked([(parent, child, allocation)])
+        return child
 
     def _drop_beam(self, group: BeamGroup, beam: Seq) -> None:
-        """A beam leaves the search: its blocks (and any host copy) go, it records no row."""
-        self.scheduler.finish(beam)
-        self._host.pop(beam.request_id, None)
-        if self.window is not None:
-            self.window.drop(beam.request_id)
-        beam.status = Status.FINISHED
-        self._requests.pop(beam.request_id, None)
+        """A beam leaves the search: its blocks go, it records no row of its own."""
+        if not beam.finished:  # a rejected beam is already gone
+            self.scheduler.finish(beam)
         group.preemptions += beam.preemptions
 
-    def _end_beams(
+    def end_beams(
         self, group: BeamGroup, reason: str, now: float, abort_reason: str | None = None
     ) -> list[RequestOutput]:
         """Finish a beam search: its live beams are dropped and join the completed; the
@@ -138,7 +150,7 @@ class Forks:
             self._drop_beam(group, beam)
         best = group.finish(reason)
         root = group.root
-        del self._beams[root.request_id]
+        self.requests.end_beams(root.request_id)
         times = group.round_times
         self.recorder.request(
             root,
@@ -150,21 +162,9 @@ class Forks:
             finish_reason=reason,
             abort_reason=abort_reason,
         )
-        outputs = [self._hypothesis(i, h) for i, h in enumerate(best)]
+        outputs = [self.outputs.hypothesis(i, h) for i, h in enumerate(best)]
         return [
             RequestOutput(
                 root.request_id, root.prompt_token_ids, outputs, True, abort_reason=abort_reason
             )
         ]
-
-    def _hypothesis(self, index: int, h: Hypothesis) -> CompletionOutput:
-        tokenizer = self.model.tokenizer
-        ids = h.output_token_ids[:-1] if h.finish_reason == "stop" else h.output_token_ids
-        return CompletionOutput(
-            index=index,
-            text=tokenizer.decode(ids) if tokenizer is not None else "",
-            token_ids=list(h.output_token_ids),
-            logprobs=None,
-            finish_reason=h.finish_reason,
-            cumulative_logprob=h.cumulative_logprob,
-        )

@@ -1,18 +1,23 @@
 """LLMEngine: the loop that ties scheduler, model runner and sampler together.
 
-    step():  schedule -> move blocks -> run the rows -> update the scheduler -> outputs
+    step():  schedule -> move blocks -> run the rows -> sample -> Scheduler.update -> outputs
 
-The scheduler decides and owns every allocation and each sequence's progress; the engine
-runs its plan (block moves, then one batched forward through the model runner), samples,
-hands the step's results back (``Scheduler.update``) and builds the outputs. The engine's
-other concerns live beside it, each a part of this class:
+The scheduler decides and owns every allocation and each sequence's state: its progress,
+tokens, stops and finish (``Scheduler.update``, ``finish``). The engine runs its plan (block
+moves, then one batched forward through the model runner), samples, hands the step's results
+back and builds the outputs. It is composed of parts, each built with explicit arguments and
+the only writer of its own state:
 
-    intake.py      add_request (a request checked, then queued) and abort_request
-    outputs.py     tokens in, stop conditions, finished requests, RequestOutputs
-    forks.py       parallel sampling's completions and beam search's rounds
-    pipeline.py    steps pipelined one deep (``pipeline``, off by default)
-    kv_files.py    KV save and restore, host copies of swapped-out KV
-    builder.py     build_engine: the arena sized, the parts built
+    requests   request_table.py  live sequences, completions (n > 1), beam searches, outputs owed
+    host       host_kv.py        host copies of KV, save targets, KV files in and out
+    outputs    outputs.py        logprobs in, RequestOutputs out
+    forks      forks.py          parallel sampling's completions, beam search's rounds
+    pipeline   pipeline.py       tokens left on the device one step (``pipeline``, off by default)
+    recorder   recorder.py       the steps and requests tables
+
+The plain and the pipelined step are two step functions, chosen when the engine is built.
+``intake.py`` checks a request before ``add_request`` queues it; ``builder.py``'s
+``build_engine`` sizes the arena and builds the parts.
 """
 
 from __future__ import annotations
@@ -20,27 +25,28 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from allocators.base import BlockAllocator
-from harness.engine.beam_search import BeamGroup
+from harness.engine.beam_search import BeamGroup, BeamSearchParams
 from harness.engine.clock import Clock, VirtualClock
 from harness.engine.forks import Forks
-from harness.engine.intake import Intake, Params
-from harness.engine.kv_cache import UNQUANTIZED, HostBlocks, KVArena, KVFormat
-from harness.engine.kv_files import KVFiles
+from harness.engine.host_kv import HostKV
+from harness.engine.intake import Params, RequestError, check_request, tokenize
+from harness.engine.kv_cache import UNQUANTIZED, KVArena, KVFormat
 from harness.engine.model_runner import Forward, ModelRunner, Row, Runner, Work
 from harness.engine.modelled import step_features
-from harness.engine.outputs import Outputs, prompt_positions
-from harness.engine.pipeline import Pipelined
+from harness.engine.outputs import OutputProcessor, prompt_positions
+from harness.engine.pipeline import Pipeline
 from harness.engine.recorder import Recorder
-from harness.engine.request import RequestOutput
-from harness.engine.request import Sequence as Seq
+from harness.engine.request import RequestOutput, Seq
+from harness.engine.request_table import RequestTable
 from harness.engine.sampling import sample
-from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode
+from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode, SamplingParams, make_rng
 from harness.engine.speculative import (
     Proposal,
     Proposer,
@@ -52,9 +58,10 @@ from harness.engine.speculative import (
 from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
+from schedulers.output import StepResults
 
 
-class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
+class LLMEngine:
     """Continuous-batching engine over a paged KV arena (the API of docs/design.md).
 
     Build one with ``harness.engine.build_engine``, which sizes the arena and builds the
@@ -116,49 +123,131 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         self.clock = clock or VirtualClock()
         self.seed = seed
         self.logprobs_mode = logprobs_mode
-        self.pipeline = pipeline
-        self.kv_format = kv_format
         if runner is None:
             arena = KVArena.for_model(model, allocator.num_blocks, allocator.block_size, kv_format)
             runner = ModelRunner(model, arena, window)
         self.runner = runner
         self.proposer = proposer  # proposes drafts, when speculating
         self.recorder = Recorder(enabled=record, measured=self.clock.measures)
-        self._verifications = Verifications()  # this step's, filled by _verify
-        self._proposals: dict[Seq, Proposal] = {}  # this step's drafts, from _rows on
-        self._lock = threading.RLock()
-        self._requests: dict[str, Seq] = {}
-        self._pending: list[RequestOutput] = []  # aborts and rejections, returned next step
-        self._num_added = 0
-        self._waited = 0.0  # this step's seconds blocked on MLX
-        # KVFiles': host copies of swapped-out and restored requests, save_kv destinations.
-        self._host: dict[str, HostBlocks] = {}
-        self._save_to: dict[str, Path] = {}
-        # Pipelined's: the tokens the last step sampled, still on the device, with the
-        # sequence and place each goes to; sequences already released to stop on theirs.
-        self._inflight: list[tuple[Seq, int]] = []
-        self._inflight_tokens: mx.array | None = None
-        self._draining: set[Seq] = set()
-        # Forks': completions of requests with n > 1, beam searches by request id.
-        self._groups: dict[str, list[Seq]] = {}
-        self._beams: dict[str, BeamGroup] = {}
+        self.requests = RequestTable()
+        self.host = HostKV(model, scheduler, runner, kv_format)
+        self.outputs = OutputProcessor(model, self.requests)
+        self.forks = Forks(self.requests, scheduler, runner, window, self.outputs, self.recorder)
+        self.pipeline = Pipeline(scheduler, self.requests) if pipeline else None
+        self._step = self._pipelined_step if pipeline else self._plain_step
+        self._lock = threading.RLock()  # one call at a time: steps, requests in and out
 
     @property
     def arena(self) -> KVArena:
         """The full-attention layers' KV arena."""
         return self.runner.arena
 
-    # -- requests (add_request, abort_request: harness/engine/intake.py) ---------------
+    # -- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: Params | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        *,
+        ttft_slo: float | None = None,
+        tpot_slo: float | None = None,
+        save_kv: str | Path | None = None,
+        restore_kv: str | Path | None = None,
+    ) -> None:
+        """Queue a request. A prompt is token ids, or text when the model has a tokenizer.
+        ``BeamSearchParams`` run a beam search (harness/engine/beam_search.py): the request's
+        one output, when it finishes, holds the best ``beam_width`` beams.
+
+        ``save_kv``: a file the request's KV (prompt and output but the last token) is
+        saved to when it finishes. ``restore_kv``: such a file; the KV of the longest prefix
+        of this prompt it holds is written back at admission instead of computed. A file
+        that cannot be used (unreadable, corrupted, another model or block size) or shares
+        no prefix warns (``KVRestoreWarning``, one line naming it) and the prompt is
+        computed (harness/engine/persistence.py). A malformed request raises
+        ``RequestError`` naming the field and the fix; nothing is queued then."""
+        # Arrival is when the caller hands the request over, not when the lock is free.
+        arrived = self.clock.now() if arrival_time is None else arrival_time
+        params = sampling_params or SamplingParams()
+        beam = params if isinstance(params, BeamSearchParams) else None
+        if beam is not None:
+            params = beam.beam_params()
+        tokens = tokenize(self.model, request_id, prompt)
+        check_request(
+            self.model,
+            request_id,
+            params,
+            beam,
+            speculative=self.proposer is not None,
+            has_window=self.window is not None,
+            save_kv=save_kv,
+            restore_kv=restore_kv,
+            logits=self.runner.computes_logits,
+        )
+        restored = None
+        if restore_kv:
+            restored = self.host.restorable(request_id, restore_kv, tokens, params)
+        with self._lock:
+            if taken := self.requests.ids_taken(request_id, params.n, beam is not None):
+                raise RequestError(
+                    f"request_id {request_id!r} is already in use ({taken[0]!r}): pick a new one"
+                )
+            seed = self.requests.reserve_seed(params.n, self.seed)
+            seq = Seq(
+                request_id=request_id,
+                token_ids=tokens,
+                params=params,
+                arrival_time=arrived,
+                priority=priority,
+                rng=make_rng(params, seed),
+                seed=params.seed if params.seed is not None else seed,
+                ttft_slo=ttft_slo,
+                tpot_slo=tpot_slo,
+            )
+            group = BeamGroup(beam, self.model.eos_token_ids, seq) if beam is not None else None
+            self.requests.add(seq, group)
+            if save_kv is not None:
+                self.host.save_at_finish(request_id, Path(save_kv))
+            num_restored = 0
+            if restored is not None:
+                num_restored, blocks = restored
+                self.host.keep(request_id, blocks)
+            self.scheduler.add(seq, restored=num_restored, keep_kv=save_kv is not None)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request in any state; its blocks are free when this returns."""
+        with self._lock:
+            now = self.clock.now()
+            group = self.requests.beams.get(request_id)
+            if group is not None:
+                for out in self.forks.end_beams(group, "abort", now, "aborted by the user"):
+                    self.requests.owe(out)
+                self._settle()
+                return
+            if request_id.rpartition("/")[0] in self.requests.beams:
+                return  # a beam's own id: the engine's, not a request (vLLM ignores those)
+            completions = self.requests.groups.get(request_id)
+            if completions:
+                ids = [s.request_id for s in completions if not s.finished]
+            else:
+                ids = [request_id]
+            aborted = [self.scheduler.abort(rid, now, "aborted by the user") for rid in ids]
+            aborted = [seq for seq in aborted if seq is not None]
+            self._settle()
+            if aborted:  # one output for the request, all its completions in
+                self.requests.owe(self.outputs.output(aborted[0]))
+
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or an abort's output is not yet returned."""
         with self._lock:
-            return self.scheduler.has_unfinished() or bool(self._pending or self._inflight)
+            busy = self.pipeline is not None and self.pipeline.busy
+            return self.scheduler.has_unfinished() or bool(self.requests.owed) or busy
 
     def get_num_unfinished_requests(self) -> int:
         """Requests (not completions of n > 1) still running or waiting."""
         with self._lock:
-            queued = [*self.scheduler.unfinished(), *self._draining]
-            return len({seq.group_id for seq in queued})
+            return len({seq.group_id for seq in self.scheduler.unfinished()})
 
     def generate(
         self,
@@ -168,7 +257,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         """Run prompts to completion; outputs in prompt order."""
         if sampling_params is None or isinstance(sampling_params, Params):
             sampling_params = [sampling_params] * len(prompts)
-        ids = [f"gen-{self._num_added + i}" for i in range(len(prompts))]
+        ids = [f"gen-{self.requests.num_added + i}" for i in range(len(prompts))]
         for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
             self.add_request(rid, prompt, params)
         final: dict[str, RequestOutput] = {}
@@ -177,6 +266,17 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
+
+    # -- KV files ------------------------------------------------------------------------
+    def save_prefix_cache(self, folder: str | Path) -> int:
+        """Snapshot the radix allocator's prefix cache into ``folder`` (``HostKV``)."""
+        with self._lock:
+            return self.host.save_prefix_cache(folder)
+
+    def restore_prefix_cache(self, folder: str | Path) -> int:
+        """Load a ``save_prefix_cache`` snapshot into the prefix cache (``HostKV``)."""
+        with self._lock:
+            return self.host.restore_prefix_cache(folder)
 
     # -- the loop ------------------------------------------------------------------------
     def step(self, next_arrival: float | None = None) -> list[RequestOutput]:
@@ -188,25 +288,44 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         with self._lock:
             start, now = time.perf_counter(), self.clock.now()
             plan = self.scheduler.schedule(now)
-            outputs = self._rejected(plan, now)
+            self._settle()
+            outputs = self._owed(plan, now)
             swap_time = self._move_blocks(plan)
-            outputs += self._run(plan, start, now, swap_time)
+            outputs += self._step(plan, start, now, swap_time)
             self._idle(plan, next_arrival)
             # One output per request: its completions progress together (n > 1).
             return list({out.request_id: out for out in outputs}.values())
 
-    def _rejected(self, plan: SchedulerOutput, now: float) -> list[RequestOutput]:
-        """Outputs of pending aborts and of requests the scheduler rejected this step."""
-        outputs, self._pending = self._pending, []
+    def _owed(self, plan: SchedulerOutput, now: float) -> list[RequestOutput]:
+        """Outputs of aborts since the last step and of the requests the scheduler rejected
+        this step (it finished them; a rejected beam ends its whole search)."""
+        outputs = self.requests.take_owed() if self.requests.owed else []
         for seq, reason in plan.rejected:
-            if seq.finished:  # a beam of a search another rejection just ended
-                continue
-            if seq.group_id in self._beams:
-                outputs += self._end_beams(self._beams[seq.group_id], "abort", now, reason)
-                continue
-            self._finish(seq, "abort", now, abort_reason=reason)
-            outputs.append(self._output(seq))
+            group = self.requests.beams.get(seq.group_id)
+            if group is not None:
+                outputs += self.forks.end_beams(group, "abort", now, reason)
+                self._settle()
+            elif seq.group_id not in self.requests.beams:
+                outputs.append(self.outputs.output(seq))
         return outputs
+
+    def _settle(self) -> None:
+        """The sequences the scheduler let go since the last call: the KV of those that keep
+        it is saved (their blocks are free but not yet written), their host copies and rings
+        go, and each finished request's row goes to the recorder (a beam's is its search's)."""
+        scheduler = self.scheduler
+        if scheduler.released:
+            for seq, table in scheduler.take_released():
+                self.host.save(seq, table)
+        if scheduler.finished:
+            window, beams = self.window, self.requests.beams
+            for seq in scheduler.take_finished():
+                self.host.forget(seq.request_id)
+                if window is not None:
+                    window.drop(seq.request_id)
+                self.requests.remove(seq)
+                if seq.finish_reason is not None and seq.group_id not in beams:
+                    self.recorder.request(seq)
 
     def _move_blocks(self, plan: SchedulerOutput) -> float:
         """Swap-outs, block copies, swap-ins: each block is read before a later op (or the
@@ -215,7 +334,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         if plan.swapped_out:
             start = time.perf_counter()
             for s in plan.swapped_out:
-                self._host[s.seq.request_id] = self.runner.swap_out(s.blocks)
+                self.host.keep(s.seq.request_id, self.runner.swap_out(s.blocks))
                 if self.window is not None:
                     self.window.swap_out(s.seq.request_id, s.ring)
             swap_time += time.perf_counter() - start
@@ -225,66 +344,109 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
         if plan.swapped_in:
             start = time.perf_counter()
             for s in plan.swapped_in:
-                self.runner.swap_in(self._host.pop(s.seq.request_id), s.blocks, s.first)
+                self.runner.swap_in(self.host.take(s.seq.request_id), s.blocks, s.first)
                 if self.window is not None:
                     self.window.swap_in(s.seq.request_id, s.ring)
             swap_time += time.perf_counter() - start
         return swap_time
 
-    def _run(
+    def _plain_step(
+        self,
+        plan: SchedulerOutput,
+        start: float,
+        now: float,
+        swap_time: float,
+        step: _Step | None = None,
+    ) -> list[RequestOutput]:
+        """Launch the forward, take the step's memory figures while it computes, wait for
+        its logits, sample and hand the results to the scheduler; record the step. The clock
+        advances by the step's measured duration (or its price, on a model clock)."""
+        step = step or _Step(start)
+        forward, features = self._launch(plan, step, None)
+        snapshot = self._snapshot(plan, step)
+        outputs = []
+        if forward is not None:
+            waited = time.perf_counter()
+            self.runner.wait([] if forward.logits is None else [forward.logits])
+            step.waited += time.perf_counter() - waited
+            outputs = self._postprocess(plan, forward, step)
+        self._record(plan, snapshot, now, swap_time, forward, features, step)
+        return outputs
+
+    def _pipelined_step(
         self, plan: SchedulerOutput, start: float, now: float, swap_time: float
     ) -> list[RequestOutput]:
-        """Launch the forward, then take the step's memory figures and read the previous
-        step's tokens while it computes; sample (on the device when pipelined, else after
-        waiting); record the step. The clock advances by the step's measured duration."""
-        self._verifications = Verifications()
-        self._waited = 0.0
-        pipelined = self.pipeline and self._on_device(plan)
-        outputs = []
-        if not pipelined:  # its rows need every token on the host
-            outputs = self._resolve(start)
+        """A step whose rows all sample on the device launches its forward and argmax and
+        leaves the tokens there, reading the previous step's while it computes; any other
+        step first reads them, then runs plainly (harness/engine/pipeline.py)."""
+        pipeline = self.pipeline
+        step = _Step(start)
+        if not pipeline.on_device(plan):
+            outputs = self._resolve(start, step)
             # A sequence that stopped on the token just read runs no more.
-            plan.scheduled = [s for s in plan.scheduled if not s.seq.finished]
-        forward = tokens = None
+            plan = replace(plan, scheduled=[s for s in plan.scheduled if not s.seq.finished])
+            return outputs + self._plain_step(plan, start, now, swap_time, step)
+        forward, features = self._launch(plan, step, pipeline.tokens, on_device=True)
+        snapshot = self._snapshot(plan, step)
+        outputs = self._resolve(start, step)
+        if forward is not None:
+            pipeline.carry(plan, step.tokens)
+            self._settle()
+        self._record(plan, snapshot, now, swap_time, forward, features, step)
+        return outputs
+
+    def _resolve(self, start: float, step: _Step) -> list[RequestOutput]:
+        """The last step's tokens, read from the device: the scheduler takes them."""
+        if not self.pipeline.busy:
+            return []
+        resolved, waited = self.pipeline.resolve(
+            lambda: self.clock.after(time.perf_counter() - start)
+        )
+        step.waited += waited
+        self._settle()
+        return self._outputs_of(resolved)
+
+    def _launch(
+        self, plan: SchedulerOutput, step: _Step, carried: mx.array | None, on_device=False
+    ):
+        """Build the rows' forward and start it (the clock is charged the step's work);
+        ``on_device``: the tokens are its logits' argmax, left on the device."""
+        forward = None
         if plan.scheduled:
-            forward = self.runner.forward(self._rows(plan), self._inflight_tokens)
+            forward = self.runner.forward(self._rows(plan, step), carried)
         # The step's work, priced by a model clock (a measuring clock ignores it).
         drafted = self.proposer is not None and self.proposer.runs_model
         features = step_features(plan, forward.work if forward else Work(), drafted)
         self.clock.charge(features)
         if forward is not None:
-            if pipelined and forward.logits is not None:
-                tokens = mx.argmax(forward.logits, axis=-1)
-            wanted = tokens if pipelined else forward.logits
+            if on_device and forward.logits is not None:
+                step.tokens = mx.argmax(forward.logits, axis=-1)
+            wanted = step.tokens if on_device else forward.logits
             launched = time.perf_counter()
             self.runner.launch([] if wanted is None else [wanted])  # blocks on MLX's CPU build
-            self._waited += time.perf_counter() - launched
+            step.waited += time.perf_counter() - launched
+        return forward, features
+
+    def _snapshot(self, plan: SchedulerOutput, step: _Step) -> dict | None:
+        """The step's memory and queues, taken while its forward computes."""
         stats = self.scheduler.stats() if self.recorder.enabled else None
-        proposed = {seq: len(p.tokens) for seq, p in self._proposals.items()}
-        snapshot = self.recorder.snapshot(stats, plan, proposed)
-        outputs += self._resolve(start)
-        if forward is not None:
-            if pipelined:
-                self._carry(plan, tokens)
-            else:
-                waited = time.perf_counter()
-                self.runner.wait([] if forward.logits is None else [forward.logits])
-                self._waited += time.perf_counter() - waited
-                outputs += self._postprocess(plan, forward, start)
-        duration = self.clock.advance(time.perf_counter() - start)
+        proposed = {seq: len(p.tokens) for seq, p in step.proposals.items()}
+        return self.recorder.snapshot(stats, plan, proposed)
+
+    def _record(self, plan, snapshot, now, swap_time, forward, features, step: _Step) -> None:
+        duration = self.clock.advance(time.perf_counter() - step.start)
         self.recorder.step(
             plan,
             snapshot,
             now,
             duration,
-            forward_time=(forward.graph_time if forward else 0.0) + self._waited,
+            forward_time=(forward.graph_time if forward else 0.0) + step.waited,
             build_time=forward.build_time if forward else 0.0,
             swap_time=swap_time,
-            verifications=self._verifications,
+            verifications=step.verifications,
             work=forward.work if forward else None,
             features=features,
         )
-        return outputs
 
     def _idle(self, plan: SchedulerOutput, next_arrival: float | None) -> None:
         """The scheduler lets a bigger batch form: idle until it stops holding, or until the
@@ -294,16 +456,17 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             self.clock.wait_until(wake)
 
     # -- inside a step -------------------------------------------------------------------
-    def _rows(self, plan: SchedulerOutput) -> list[Row]:
+    def _rows(self, plan: SchedulerOutput, step: _Step) -> list[Row]:
         """The runner's rows: each scheduled sequence's new tokens (and drafts to verify).
 
         Run once per sequence per step: what only some rows need (drafts, tokens carried
         from the device, prompt logprobs, window rings) is looked up only when a step has
         any of them."""
         spec = [s for s in plan.scheduled if s.num_draft_tokens]
-        proposals = self.proposer.propose(spec, self._sample_row) if spec else []
-        self._proposals = dict(zip([s.seq for s in spec], proposals, strict=True))
-        inflight = {seq: k for seq, k in self._inflight}
+        if spec:
+            proposals = self.proposer.propose(spec, self.outputs.sample_row)
+            step.proposals = dict(zip([s.seq for s in spec], proposals, strict=True))
+        carried = self.pipeline.rows() if self.pipeline is not None else {}
         table = self.allocator.block_table
         window = self.window
         rows = []
@@ -311,65 +474,70 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             seq = s.seq
             start, tokens = seq.num_computed_tokens, seq.token_ids
             end = start + s.num_new_tokens - s.num_draft_tokens
-            last = end == len(tokens)
             if s.num_draft_tokens:
                 # A verification feeds the last token and the drafts, and wants logits for
                 # each.
-                drafts = self._proposals[seq].tokens
+                drafts = step.proposals[seq].tokens
                 fed = tokens[start:end] + drafts
             else:
                 drafts, fed = (), tokens[start:end]
-            num_logits = 1 + len(drafts) if last else 0
+            num_logits = 1 + len(drafts) if s.samples else 0
             # The previous step's token, not yet on the host, is fed from the device (it is
             # the sequence's last; a recomputed prefix chunk that stops short never feeds it).
-            carried = ((end - 1 - start, inflight[seq]),) if last and seq in inflight else ()
+            on_device = ((end - 1 - start, carried[seq]),) if s.samples and seq in carried else ()
             if seq.params.prompt_logprobs is not None:
                 # Prompt logprobs want logits at the prompt positions before the sampling one.
                 num_logits += len(prompt_positions(seq, s.num_new_tokens))
             ring = window.table(seq.request_id) if window is not None else ()
-            rows.append(Row(fed, start, table(seq.request_id), num_logits, carried, ring))
+            rows.append(Row(fed, start, table(seq.request_id), num_logits, on_device, ring))
         return rows
 
     def _postprocess(
-        self, plan: SchedulerOutput, forward: Forward, start: float
+        self, plan: SchedulerOutput, forward: Forward, step: _Step
     ) -> list[RequestOutput]:
-        """Take prompt logprobs and verify drafts, hand the step's results to the scheduler,
-        then sample and stamp: a token's time is when it exists, so the clock is read after
-        sampling, ``start`` being the step's ``perf_counter`` start. A runner without a
-        model chose the tokens itself (``forward.tokens``)."""
+        """Take prompt logprobs, verify drafts and sample, then hand the step's tokens to the
+        scheduler (``Scheduler.update``: progress, forks, tokens, stops) and build the outputs:
+        a token's time is when it exists, so the clock is read after sampling. A runner
+        without a model chose the tokens itself (``forward.tokens``)."""
         logits = forward.logits
+        requests = self.requests
         sampling, verifying, offset = [], {}, 0  # rows that sample and verify, by logits row
         for s in plan.scheduled:
             seq = s.seq
             if s.num_draft_tokens:  # the drafts proposed (n-gram lookup may find fewer)
                 verifying[seq] = offset
-                offset += len(self._proposals[seq].tokens) + 1
+                offset += len(step.proposals[seq].tokens) + 1
                 continue
             if seq.params.prompt_logprobs is not None and (
                 positions := prompt_positions(seq, s.num_new_tokens)
             ):
-                self._prompt_logprobs(seq, positions, logits[offset : offset + len(positions)])
+                self.outputs.add_prompt_logprobs(
+                    seq, positions, logits[offset : offset + len(positions)]
+                )
                 offset += len(positions)
-            if seq.num_computed_tokens + s.num_new_tokens == len(seq.token_ids):
+            if s.samples:
                 sampling.append((seq, offset))
                 offset += 1
-        verified = self._verify(forward, verifying) if verifying else []
-        self.scheduler.update(plan, {seq: got.tokens[: got.accepted] for seq, got in verified})
+        verified = self._verify(forward, verifying, step) if verifying else []
         to_sample, picks = [], []
+        forks: list[tuple[Seq, Seq]] = []
         offering: list[tuple[Seq, int]] = []  # beams offering candidates, and their row
-        if not (self._beams or self._groups):  # no beam offers, no completion forks
+        if not (requests.beams or requests.groups):  # no beam offers, no completion forks
             to_sample, picks = [seq for seq, _ in sampling], [row for _, row in sampling]
             sampling = []
         for seq, row in sampling:
-            if seq.group_id in self._beams:
+            if seq.group_id in requests.beams:
                 offering.append((seq, row))
                 continue
+            to_sample.append(seq)
+            picks.append(row)
             # The prompt is done: n > 1 forks the other completions off it, each sampling
             # its first token from the same logits.
-            fork = seq.params.n > 1 and len(self._groups[seq.group_id]) == 1
-            for completion in [seq, *self._fork(seq)] if fork else [seq]:
-                to_sample.append(completion)
-                picks.append(row)
+            if seq.params.n > 1 and len(requests.groups[seq.group_id]) == 1:
+                for child in self.forks.completions(seq):
+                    forks.append((seq, child))
+                    to_sample.append(child)
+                    picks.append(row)
         candidates = []
         if offering:
             rows = mx.array([i for _, i in offering], dtype=mx.int32)
@@ -382,32 +550,59 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             # completions sampling from one row: one row of logits per token drawn.
             if picks != list(range(offset)):
                 logits = logits[mx.array(picks, dtype=mx.int32)] if picks else None
-            rows = [self._sample_row(seq) for seq in to_sample]
+            rows = [self.outputs.sample_row(seq) for seq in to_sample]
             sampled = sample(logits, rows, self.logprobs_mode) if to_sample else []
             tokens, logprobs = [p.token for p in sampled], [p.logprobs for p in sampled]
-        now = self.clock.after(time.perf_counter() - start)
-        outputs = [out for seq, got in verified for out in self._accept(seq, got, now)]
-        for seq, token, token_logprobs in zip(to_sample, tokens, logprobs, strict=True):
-            if token_logprobs is not None:
-                self._add_logprobs(seq, token, token_logprobs)
-            self._append(seq, token, now)
-            outputs += self._progressed(seq)
+        now = self.clock.after(time.perf_counter() - step.start)
+        results = StepResults({seq: got.tokens for seq, got in verified}, forks, now)
+        for seq, token in zip(to_sample, tokens, strict=True):
+            results.tokens[seq] = [token]
+        lengths = {seq: len(seq.token_ids) for seq, _ in verified} if verified else None
+        forked = self.scheduler.update(plan, results)
+        self._settle()
+        if forked:
+            self.forks.copy_forked(forked)
+        for seq, got in verified:
+            if got.logprobs is not None:
+                for token, token_logprobs in zip(
+                    got.tokens[: len(seq.token_ids) - lengths[seq]], got.logprobs, strict=False
+                ):
+                    self.outputs.add_logprobs(seq, token, token_logprobs)
+        if logprobs.count(None) != len(logprobs):
+            for seq, token, token_logprobs in zip(to_sample, tokens, logprobs, strict=True):
+                if token_logprobs is not None:
+                    self.outputs.add_logprobs(seq, token, token_logprobs)
+        outputs = self._outputs_of([seq for seq, _ in verified] + to_sample)
         for (seq, _), row in zip(offering, candidates, strict=True):
-            group = self._beams[seq.group_id]
-            if group.offer(seq, row):
-                outputs += self._next_beams(group, now)
-            else:
-                self.scheduler.park(seq)  # until its siblings have offered too
+            outputs += self.forks.offer(seq, row, now)
+        if offering:
+            self._settle()
         return outputs
 
-    def _verify(self, forward: Forward, at: dict[Seq, int]) -> list[tuple[Seq, Verified]]:
+    def _outputs_of(self, progressed: list[Seq]) -> list[RequestOutput]:
+        """One output per request among the sequences that got tokens, built once all its
+        completions' tokens of the step are in."""
+        outputs = []
+        seen = set()
+        progressed_output = self.outputs.progressed
+        for seq in progressed:
+            if seq.group_id in seen:
+                continue
+            seen.add(seq.group_id)
+            outputs += progressed_output(seq)
+        return outputs
+
+    def _verify(
+        self, forward: Forward, at: dict[Seq, int], step: _Step
+    ) -> list[tuple[Seq, Verified]]:
         """Accept or reject each sequence's drafts (harness/engine/speculative.py): against
         the target's logits, or the tokens a runner without a model chose."""
         chosen = forward.tokens
         table = np.array(forward.logits.astype(mx.float32)) if chosen is None else None
+        counts = step.verifications = Verifications()
         verified = []
         for seq, i in at.items():
-            proposal = self._proposals.pop(seq)
+            proposal = step.proposals.pop(seq)
             n = len(proposal.tokens)
             if chosen is not None:
                 got = verify_tokens(chosen[i : i + n + 1], proposal)
@@ -415,10 +610,9 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
                 got = verify(
                     table[i : i + n + 1],
                     proposal,
-                    lambda j, s=seq, d=proposal.tokens: self._sample_row(s, d[:j]),
+                    lambda j, s=seq, d=proposal.tokens: self.outputs.sample_row(s, d[:j]),
                     self.logprobs_mode,
                 )
-            counts = self._verifications
             counts.proposed += n
             counts.accepted += got.accepted
             counts.rejected += got.accepted < n
@@ -427,3 +621,17 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             seq.spec_accepted += got.accepted
             verified.append((seq, got))
         return verified
+
+
+class _Step:
+    """What one step gathers as it goes: its start (``perf_counter``), the seconds the host
+    waited on MLX, the drafts proposed, the verifications, the tokens left on the device."""
+
+    __slots__ = ("start", "waited", "proposals", "verifications", "tokens")
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.waited = 0.0
+        self.proposals: dict[Seq, Proposal] = {}
+        self.verifications: Verifications | None = None
+        self.tokens: mx.array | None = None

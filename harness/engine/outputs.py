@@ -1,17 +1,15 @@
-"""Output processing: a sampled token becomes part of its sequence, stop conditions end it,
-and the caller gets incremental ``RequestOutput``s with text and logprobs (vLLM's
-OutputProcessor and stop checks).
+"""Output processing (vLLM's OutputProcessor): what the caller gets back.
 
-    append(seq, token, now)  stamp the token at ``now`` (when it exists on the host)
-      stop?                  stop_token_ids, EOS (unless ignore_eos), a stop string, after
-                             min_tokens; else max_tokens or the model length ("length")
-      finish                 the scheduler frees its blocks (KV saved first if asked); the
-                             request's row goes to the recorder
-    output(seq)              one RequestOutput per request: its n completions, finished
-                             when all are
+    sample_row(seq)      the sampler's view of a sequence (EOS and stop ids banned below
+                         min_tokens)
+    add_logprobs         an output token's logprobs (and the cumulative logprob); prompt
+                         logprobs from a prefill's logits
+    output(seq)          one RequestOutput per request: its n completions, with text and
+                         logprobs, finished when all are; final_only requests get only that
 
-``Outputs`` is a part of ``LLMEngine`` (harness/engine/llm_engine.py): it reads the engine's
-model, scheduler, recorder and request tables, and owns none of its own.
+The tokens themselves, their times and the stops are the scheduler's to write
+(``Scheduler.update``); ``OutputProcessor`` is the one writer of a sequence's logprobs, and
+reads the request table.
 """
 
 from __future__ import annotations
@@ -22,12 +20,12 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
-from harness.engine.request import CompletionOutput, RequestOutput
-from harness.engine.request import Sequence as Seq
+from harness.engine.beam_search import Hypothesis
+from harness.engine.request import CompletionOutput, RequestOutput, Seq
+from harness.engine.request_table import RequestTable
 from harness.engine.sampling import SampleRow, logprob_dict, logprob_values
 from harness.engine.sampling_params import TokenLogprobs
-from harness.engine.speculative import Verified
-from schedulers.request import Status
+from harness.platform.models import LoadedModel
 
 
 def prompt_positions(seq: Seq, num_new_tokens: int) -> range:
@@ -42,10 +40,14 @@ def prompt_positions(seq: Seq, num_new_tokens: int) -> range:
     return range(first, end)
 
 
-class Outputs:
-    """Tokens in, stop conditions, finished requests and the outputs callers read."""
+class OutputProcessor:
+    """Logprobs in, ``RequestOutput``s out."""
 
-    def _sample_row(self, seq: Seq, drafts: Sequence[int] = ()) -> SampleRow:
+    def __init__(self, model: LoadedModel, requests: RequestTable) -> None:
+        self.model = model
+        self.requests = requests
+
+    def sample_row(self, seq: Seq, drafts: Sequence[int] = ()) -> SampleRow:
         """The sampler's view of ``seq``, with ``drafts`` appended when verifying them."""
         banned = ()
         if seq.num_output_tokens + len(drafts) < seq.params.min_tokens:
@@ -54,85 +56,21 @@ class Outputs:
         tokens = seq.token_ids + list(drafts) if drafts else seq.token_ids
         return SampleRow(seq.params, tokens, seq.num_prompt_tokens, seq.rng, banned)
 
-    def _append(self, seq: Seq, token: int, now: float) -> bool:
-        """Append a generated token; finish the sequence if it stops here (True)."""
-        seq.token_ids.append(token)
-        return self._emitted(seq, token, now)
-
-    def _emitted(self, seq: Seq, token: int, now: float) -> bool:
-        """``token``, the sequence's last, exists on the host at ``now``: stamp it and
-        finish the sequence if it stops here (True)."""
-        seq.token_times.append(now)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        reason, stop_reason = self._stop(seq, token)
-        if reason:
-            if seq in self._draining:
-                self._draining.discard(seq)
-            else:
-                self._release(seq)
-            self._finish(seq, reason, now, stop_reason=stop_reason)
-        return reason is not None
-
-    def _accept(self, seq: Seq, got: Verified, now: float) -> list[RequestOutput]:
-        """Append a verification's tokens (its KV the scheduler already counted in
-        ``update``); stop conditions drop what follows a stop. Returns ``_progressed``."""
-        for j, token in enumerate(got.tokens):
-            if got.logprobs is not None:
-                self._add_logprobs(seq, token, got.logprobs[j])
-            if self._append(seq, token, now):
-                break
-        return self._progressed(seq)
-
-    def _last_token(self, seq: Seq) -> bool:
-        """The sequence stops on its last token whatever it is (max_tokens, model length)."""
-        n = len(seq.token_ids)
-        return n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= self.scheduler.max_seq_len
-
-    def _stop(self, seq: Seq, token: int) -> tuple[str | None, str | int | None]:
-        p = seq.params
-        if len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens:
-            if token in p.stop_token_ids:
-                return "stop", token
-            if not p.ignore_eos and token in self.model.eos_token_ids:
-                return "stop", None
-            if p.stop:
-                text = self._text(seq)
-                for s in p.stop:
-                    if s in text:
-                        return "stop", s
-        if self._last_token(seq):
-            return "length", None
-        return None, None
-
-    def _finish(self, seq: Seq, reason: str, now: float, **why) -> None:
-        seq.status = Status.FINISHED
-        self._host.pop(seq.request_id, None)  # a swapped request's host copy goes too
-        if self.window is not None:
-            self.window.drop(seq.request_id)
-        self._save_to.pop(seq.request_id, None)  # an aborted request's KV is not saved
-        seq.finish_reason = reason
-        seq.finish_time = now
-        seq.abort_reason = why.get("abort_reason")
-        seq.stop_reason = why.get("stop_reason")
-        self._requests.pop(seq.request_id, None)
-        self.recorder.request(seq)
-
-    def _progressed(self, seq: Seq) -> list[RequestOutput]:
+    def progressed(self, seq: Seq) -> list[RequestOutput]:
         """The output of a request whose ``seq`` got tokens this step: none until all its
         completions finish when its params ask for the final output only."""
         if seq.params.output_kind == "final_only":
-            group = self._groups.get(seq.group_id, (seq,)) if seq.finished else ()
+            group = self.requests.groups.get(seq.group_id, (seq,)) if seq.finished else ()
             if not (group and all(s.finished for s in group)):
                 return []
-        return [self._output(seq)]
+        return [self.output(seq)]
 
-    def _output(self, seq: Seq) -> RequestOutput:
+    def output(self, seq: Seq) -> RequestOutput:
         """The request's output: all its completions (n > 1), finished when all are."""
-        group = self._groups.get(seq.group_id, [seq])
+        group = self.requests.groups.get(seq.group_id, [seq])
         finished = all(s.finished for s in group)
         if finished:
-            self._groups.pop(seq.group_id, None)
+            self.requests.close_group(seq.group_id)
         first = group[0]  # computed the prompt, and so its logprobs
         prompt = first.params.prompt_logprobs is not None
         return RequestOutput(
@@ -143,6 +81,19 @@ class Outputs:
             abort_reason=next((s.abort_reason for s in group if s.abort_reason), None),
             prompt_logprobs=list(first.prompt_logprobs) if prompt else None,
             finished_time=max(s.finish_time for s in group) if finished else None,
+        )
+
+    def hypothesis(self, index: int, h: Hypothesis) -> CompletionOutput:
+        """A beam search's ``index``-th best hypothesis as a completion."""
+        tokenizer = self.model.tokenizer
+        ids = h.output_token_ids[:-1] if h.finish_reason == "stop" else h.output_token_ids
+        return CompletionOutput(
+            index=index,
+            text=tokenizer.decode(ids) if tokenizer is not None else "",
+            token_ids=list(h.output_token_ids),
+            logprobs=None,
+            finish_reason=h.finish_reason,
+            cumulative_logprob=h.cumulative_logprob,
         )
 
     def _completion(self, seq: Seq) -> CompletionOutput:
@@ -165,12 +116,12 @@ class Outputs:
             cumulative_logprob=cumulative,
         )
 
-    def _add_logprobs(self, seq: Seq, token: int, logprobs: TokenLogprobs) -> None:
+    def add_logprobs(self, seq: Seq, token: int, logprobs: TokenLogprobs) -> None:
         """An output token's logprobs, and its share of the cumulative logprob (vLLM's)."""
         seq.logprobs.append(self._decoded(logprobs))
         seq.cumulative_logprob += logprobs[token].logprob
 
-    def _prompt_logprobs(self, seq: Seq, positions: range, logits: mx.array) -> None:
+    def add_prompt_logprobs(self, seq: Seq, positions: range, logits: mx.array) -> None:
         """Append the prompt logprobs ``logits`` [len(positions), vocab] give: position p's
         raw log-probabilities of prompt token p + 1 and the top-n (vLLM: raw, whatever the
         ``logprobs_mode``)."""

@@ -11,9 +11,14 @@ from schedulers.request import Status
 
 
 @dataclass(eq=False)
-class Sequence:
-    """One request: its tokens, how many have KV in the arena, and its timeline (the
-    ``schedulers.request.Request`` a policy sees, plus what the engine keeps).
+class Seq:
+    """One sequence of a request (its only one, or one of its n completions or beams): its
+    tokens, how many have KV in the arena, and its timeline (the
+    ``schedulers.request.Request`` the scheduler side moves, plus what the engine keeps).
+
+    Each field has one writer: the scheduler side moves its progress, tokens, timeline and
+    status (``Scheduler.update``, ``finish``); the output processor its logprobs; the
+    verifier its speculative counts; the rest is set when it is made.
 
     ``token_ids`` is prompt + output. The last sampled token has no KV yet, so a running
     sequence in decode has ``num_computed_tokens == len(token_ids) - 1`` and computes one
@@ -79,6 +84,9 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+Sequence = Seq  # TEMPORARY until the branches merge
 
 
 @dataclass

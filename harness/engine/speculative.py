@@ -42,7 +42,7 @@ import numpy as np
 from allocators.base import BlockAllocator
 from harness.engine.kv_cache import UNQUANTIZED, KVArena, KVFormat
 from harness.engine.model_runner import ModelRunner, Row
-from harness.engine.request import Sequence as Seq
+from harness.engine.request import Seq
 from harness.engine.sampling import (
     SampleRow,
     adjust_logits,

@@ -1,0 +1,45 @@
+"""When a sequence stops: vLLM's stop checks, applied on the scheduler side as a token is
+appended (vLLM v1's ``check_stop`` inside ``Scheduler.update_from_output``).
+
+    after min_tokens   a stop_token_id ("stop", the id), EOS unless ignore_eos ("stop"), a
+                       stop string in the output text ("stop", the string)
+    always             max_tokens output tokens or the sequence's length limit ("length")
+
+The model's EOS ids and its detokenizer are the engine's to give (``build_engine`` does);
+a scheduler built without them stops by length and stop_token_ids alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from schedulers.request import Request
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """The model-dependent part of the stop checks: its EOS token ids, and ``detokenize``
+    (output token ids -> text) for stop strings, None for a model without a tokenizer."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    detokenize: Callable[[Sequence[int]], str] | None = None
+
+    def check(self, seq: Request, token: int, max_seq_len: int) -> tuple[str | None, object]:
+        """(finish reason, stop reason) of ``seq`` whose last token, just appended, is
+        ``token``; (None, None) when it goes on."""
+        p = seq.params
+        n = len(seq.token_ids)
+        if n - seq.num_prompt_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return "stop", token
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if p.stop and self.detokenize is not None:
+                text = self.detokenize(seq.token_ids[seq.num_prompt_tokens :])
+                for s in p.stop:
+                    if s in text:
+                        return "stop", s
+        if n - seq.num_prompt_tokens >= p.max_tokens or n >= max_seq_len:
+            return "length", None
+        return None, None

@@ -58,11 +58,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 
 from allocators.base import Allocation, BlockAllocator, blocks_for
 from schedulers.kv_groups import DraftKV, WindowRings
+from schedulers.limits import check_limits
+from schedulers.lookahead import Lookahead
 from schedulers.output import (  # noqa: F401  (re-exported: part of the contract)
     INFLIGHT,
     Holding,
@@ -74,17 +76,9 @@ from schedulers.output import (  # noqa: F401  (re-exported: part of the contrac
     SwapIn,
     SwapOut,
 )
+from schedulers.progress import Progress
 from schedulers.request import Request, Status
 from schedulers.stopping import Stopping
-
-PREFIX_SLOT = "\0restore-prefix-cache"  # a scratch sequence no request is (restore_prefix)
-
-
-def positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int >= 1, else a ValueError naming ``scheduler.<name>``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"scheduler.{name}={value!r} is invalid: it must be an int >= 1")
-    return value
 
 
 class Scheduler(ABC):
@@ -136,38 +130,19 @@ class Scheduler(ABC):
         window: Callable[..., WindowRings] | None = None,
         stopping: Stopping | None = None,
     ) -> None:
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if self.chunked_prefill else max(max_model_len, 2048)
-        for name, value in [
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_model_len", max_model_len),
-            ("min_batch_size", min_batch_size),
-        ]:
-            positive_int(name, value)
-        if not self.chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"scheduler.max_num_batched_tokens={max_num_batched_tokens} is below "
-                f"max_model_len={max_model_len}: a long prompt could never be scheduled; raise "
-                "it or use the chunked_prefill scheduler"
-            )
-        if not 0 <= watermark < 1:
-            raise ValueError(f"scheduler.watermark={watermark!r} must be a fraction in [0, 1)")
-        if min_batch_size > max_num_seqs:
-            raise ValueError(
-                f"scheduler.min_batch_size={min_batch_size} exceeds max_num_seqs={max_num_seqs}"
-            )
-        if not max_wait >= 0:
-            raise ValueError(f"scheduler.max_wait={max_wait!r} must be >= 0 seconds")
-        modes = [m.value for m in Preemption]
-        if preemption_mode not in modes:
-            raise ValueError(f"scheduler.preemption_mode={preemption_mode!r}: use one of {modes}")
-        if swap_blocks is not None:
-            positive_int("swap_blocks", swap_blocks)
-        if num_lookahead_slots:
-            positive_int("num_lookahead_slots", num_lookahead_slots)
-        if draft is not None and not num_lookahead_slots:
-            raise ValueError("a draft allocator needs num_lookahead_slots > 0")
+        max_num_batched_tokens = check_limits(
+            chunked_prefill=self.chunked_prefill,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            watermark=watermark,
+            min_batch_size=min_batch_size,
+            max_wait=max_wait,
+            preemption_mode=preemption_mode,
+            swap_blocks=swap_blocks,
+            num_lookahead_slots=num_lookahead_slots,
+            draft=draft is not None,
+        )
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -190,12 +165,12 @@ class Scheduler(ABC):
         self.parked: set[Request] = set()  # need no step until unparked (see park)
         # Released to stop on a token still on the device (pipelined steps), by request id.
         self.draining: dict[str, Request] = {}
-        self.keep_kv: set[str] = set()  # requests whose KV the engine saves when they stop
-        self.finished: list[Request] = []  # since the engine last took them
-        self.released: list[tuple[Request, tuple[int, ...] | None]] = []  # kept KV, ditto
-        self.stopping = stopping or Stopping()
         self.num_lookahead_slots = num_lookahead_slots
         self.draft = DraftKV(draft) if draft is not None else None
+        self.progress = Progress(allocator, self.draft, stopping or Stopping(), self.max_seq_len)
+        self.lookahead = None
+        if num_lookahead_slots:
+            self.lookahead = Lookahead(allocator, self.draft, num_lookahead_slots, self.max_seq_len)
         self.rings = window(max_num_seqs=max_num_seqs) if window is not None else None
         self.read_prefix_cache = window is None
 
@@ -212,7 +187,7 @@ class Scheduler(ABC):
         if restored:
             self.restored[seq.request_id] = restored
         if keep_kv:
-            self.keep_kv.add(seq.request_id)
+            self.progress.keep(seq.request_id)
 
     def abort(self, request_id: str, now: float, reason: str) -> Request | None:
         """Stop a request in any state, its blocks free when this returns; None if it is not
@@ -221,8 +196,7 @@ class Scheduler(ABC):
         if seq is None:
             seq = next((s for s in self.unfinished() if s.request_id == request_id), None)
         if seq is not None:
-            if seq.token_ids[-1] == INFLIGHT:
-                seq.token_ids.pop()
+            self.progress.drop_pending(seq)
             self.finish(seq, "abort", now, abort_reason=reason)
         return seq
 
@@ -254,7 +228,7 @@ class Scheduler(ABC):
 
     def unpark(self, seq: Request, token: int) -> None:
         """A parked beam goes on with ``token``, the one its search chose for it."""
-        seq.token_ids.append(token)
+        self.progress.append_chosen(seq, token)
         self.parked.discard(seq)
 
     def finish(
@@ -283,48 +257,24 @@ class Scheduler(ABC):
         seq: Request,
         reason: str | None,
         now: float | None,
-        stop_reason: str | int | None = None,
+        stop_reason: object = None,
         abort_reason: str | None = None,
     ) -> None:
         """``finish`` once ``seq`` is out of its queue."""
         rid = seq.request_id
         if self.draining.pop(rid, None) is None:  # a drained sequence gave its blocks back
-            self._give_back(seq, keep=reason != "abort")  # an aborted request saves no KV
+            self.progress.hand_over(seq, keep=reason != "abort")  # an abort saves no KV
+            self._release(rid)
+        self._forget(seq)
+        self.progress.close(seq, reason, now, stop_reason, abort_reason)
+
+    def _forget(self, seq: Request) -> None:
+        """``seq`` needs no hint, host copy, restore or park any more."""
+        rid = seq.request_id
         self.allocator.expect(rid, None)
         self.host_blocks.pop(rid, None)
         self.restored.pop(rid, None)
         self.parked.discard(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
-        seq.finish_time = now
-        seq.stop_reason = stop_reason
-        seq.abort_reason = abort_reason
-        self.finished.append(seq)
-
-    def _give_back(self, seq: Request, keep: bool) -> None:
-        """Release everything ``seq`` holds; when its KV is kept and ``keep``, hand its table
-        over first (None unless it is on the device: a swapped or recomputed one's KV is in
-        the engine's host copy, or nowhere)."""
-        rid = seq.request_id
-        if self.keep_kv and rid in self.keep_kv:
-            self.keep_kv.discard(rid)
-            if keep:
-                on_device = seq.status is Status.RUNNING
-                table = tuple(self.allocator.block_table(rid)) if on_device else None
-                self.released.append((seq, table))
-        self._release(rid)
-
-    def take_finished(self) -> list[Request]:
-        """The sequences that finished since the last call, in the order they did."""
-        finished, self.finished = self.finished, []
-        return finished
-
-    def take_released(self) -> list[tuple[Request, tuple[int, ...] | None]]:
-        """Sequences whose KV is kept (``add(keep_kv=True)``) that gave their blocks back
-        since the last call, each with its block table then (None: not on the device). The
-        blocks are free but unwritten until the next step's block moves and forward."""
-        released, self.released = self.released, []
-        return released
 
     def _final_slots(self, seq: Request) -> int:
         """The KV slots ``seq`` holds when it finishes: its prompt and ``max_tokens`` outputs
@@ -356,152 +306,51 @@ class Scheduler(ABC):
         """The request that comes in next when room allows (the head of the line)."""
         return next(self._incoming(), None)
 
-    def at_length(self, seq: Request) -> bool:
-        """``seq`` stops on its last token whatever it is (max_tokens, the length limit)."""
-        n = len(seq.token_ids)
-        return n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= self.max_seq_len
-
     # -- a step's results ----------------------------------------------------------------
     def update(
         self, plan: SchedulerOutput, results: StepResults
     ) -> list[tuple[Request, Request, Allocation]]:
         """The plan's rows ran: the one place a step moves its sequences (vLLM v1's
-        ``update_from_output``). In order:
-
-            progress  each scheduled sequence advances by the KV its row wrote; newly full
-                      blocks go to the prefix cache (before any stop frees them uncached); a
-                      verification keeps its last token and the accepted drafts (all its
-                      tokens but the last) and trims the rejected drafts' slots, in the
-                      target's arena and the draft's
-            forks     ``results.forks``' children join on their parents' KV (``fork``)
-            tokens    each sequence appends its tokens, stamped ``results.now``, and stops
-                      where a stop check says (``finish``); what follows a stop is dropped.
-                      Pending tokens (pipelined) are placeholders: a sequence sure to stop on
-                      its (max_tokens, the length limit) gives its blocks back now and
-                      drains until ``resolve``
-
-        A sequence that finished while its row computed (pipelined: it stopped on the
-        previous step's token) is skipped. Returns the forks that got KV, with their
-        allocations (block copies for the engine)."""
-        bs = self.allocator.block_size
-        tokens = results.tokens
-        for s in plan.scheduled:
-            seq = s.seq
-            if seq.status is Status.FINISHED:
-                continue
-            before = seq.num_computed_tokens
-            if s.num_draft_tokens:
-                kept = tokens[seq][:-1]
-                seq.num_computed_tokens += len(kept) + 1
-                if seq.num_computed_tokens // bs > before // bs:
-                    self._commit(seq, [*seq.token_ids, *kept])
-                self.allocator.trim(seq.request_id, seq.num_computed_tokens)
-                if self.draft is not None:
-                    self.draft.rollback(seq.request_id, seq.num_computed_tokens)
-            else:
-                seq.num_computed_tokens = after = before + s.num_new_tokens
-                if after // bs > before // bs:
-                    self._commit(seq, seq.token_ids)
+        ``update_from_output``): their KV progress (``Progress.advance``), then the forks
+        (``results.forks``' children join on their parents' KV), then each sequence's tokens,
+        stamped ``results.now``, up to a stop, which finishes it. Pending tokens (pipelined)
+        are placeholders; a sequence sure to stop on its (max_tokens, the length limit)
+        gives its blocks back now and drains until ``resolve``. Returns the forks that got
+        KV, with their allocations (block copies for the engine)."""
+        progress = self.progress
+        progress.advance(plan, results.tokens)
         forked = []
         for parent, child in results.forks:
             alloc = self.fork(parent, child)
             if alloc is not None:
                 forked.append((parent, child, alloc))
         if results.pending:
-            for seq in tokens:
-                if seq.status is Status.FINISHED:
-                    continue
-                seq.token_ids.append(INFLIGHT)
-                if self.at_length(seq):
-                    self._drain(seq)
+            for seq in results.tokens:
+                if seq.status is not Status.FINISHED:
+                    progress.append_pending(seq)
+                    if progress.at_length(seq):
+                        self._drain(seq)
             return forked
         now = results.now
-        for seq, new in tokens.items():
-            for token in new:
-                seq.token_ids.append(token)
-                if self._emit(seq, token, now):
-                    break
+        for seq, tokens in results.tokens.items():
+            stop = progress.append(seq, tokens, now)
+            if stop is not None:
+                self.finish(seq, stop[0], now, stop_reason=stop[1])
         return forked
 
     def resolve(self, seq: Request, token: int, now: float) -> None:
         """``seq``'s pending token (pipelined) is ``token``, on the host at ``now``."""
-        seq.token_ids[-1] = token
-        self._emit(seq, token, now)
-
-    def _emit(self, seq: Request, token: int, now: float) -> bool:
-        """``token``, ``seq``'s last, exists on the host at ``now``: stamp it and finish the
-        sequence if it stops here (True)."""
-        seq.token_times.append(now)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        reason, why = self.stopping.check(seq, token, self.max_seq_len)
-        if reason is None:
-            return False
-        self.finish(seq, reason, now, stop_reason=why)
-        return True
+        stop = self.progress.resolve(seq, token, now)
+        if stop is not None:
+            self.finish(seq, stop[0], now, stop_reason=stop[1])
 
     def _drain(self, seq: Request) -> None:
         """``seq`` stops on its pending token: its blocks go back before that token is read."""
         self.running.remove(seq)
-        rid = seq.request_id
-        self._give_back(seq, keep=True)
-        self.allocator.expect(rid, None)
-        self.host_blocks.pop(rid, None)
-        self.restored.pop(rid, None)
-        self.parked.discard(seq)
-        self.draining[rid] = seq
-
-    def _commit(self, seq: Request, token_ids: Sequence[int]) -> None:
-        """Tell the allocator about newly full blocks of written KV (prefix caches share
-        them); ``token_ids`` hold at least the computed tokens. The allocator reads them
-        during the call only, so a decode's whole token list goes without a copy."""
-        n = seq.num_computed_tokens
-        self.allocator.commit(seq.request_id, token_ids if len(token_ids) == n else token_ids[:n])
-
-    def stats(self) -> KVStats:
-        """Memory and queues as the plan leaves them (the recorder's one view of both)."""
-        alloc = self.allocator
-        num_tokens, held_slots, table = alloc.num_tokens, alloc.held_slots, alloc.block_table
-        running = tuple(
-            [
-                Holding(seq, num_tokens(rid), held_slots(rid), tuple(table(rid)))
-                for seq in self.running
-                for rid in (seq.request_id,)
-            ]
-        )
-        head = self.next_incoming()
-        unusable = 0
-        if head is not None:
-            need = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
-            unusable = alloc.unusable_free_blocks(need, head.request_id)
-        return KVStats(
-            blocks=alloc.stats(),
-            running=running,
-            num_waiting=len(self.waiting),
-            num_swapped=len(self.swapped),
-            unusable_free_blocks=unusable,
-            draft_blocks_used=self.draft.allocator.stats().used_blocks if self.draft else 0,
-            window_blocks_used=self.rings.allocator.stats().used_blocks if self.rings else 0,
-        )
-
-    # -- a prefix-cache snapshot coming back ---------------------------------------------
-    def claim_prefix(self, token_ids: Sequence[int]) -> tuple[int, list[int]] | None:
-        """Blocks for one path of a prefix-cache snapshot, ``token_ids`` (whole blocks): the
-        tokens the cache already holds and the blocks to write the rest into, after which
-        ``index_prefix`` caches them, held by nobody. None, holding nothing, when the free
-        blocks cannot take the rest (the caller stops rather than evict what it restored)."""
-        alloc = self.allocator
-        have = alloc.match_prefix(PREFIX_SLOT, [*token_ids, -1])  # every full block may match
-        if alloc.stats().free_blocks < blocks_for(len(token_ids) - have, alloc.block_size):
-            alloc.free(PREFIX_SLOT)
-            return None
-        alloc.allocate(PREFIX_SLOT, len(token_ids))
-        return have, alloc.block_table(PREFIX_SLOT)[have // alloc.block_size :]
-
-    def index_prefix(self, token_ids: Sequence[int]) -> None:
-        """The claimed blocks hold ``token_ids``' KV: cache them and let go."""
-        self.allocator.commit(PREFIX_SLOT, token_ids)
-        self.allocator.free(PREFIX_SLOT)
+        self.progress.hand_over(seq, keep=True)
+        self._release(seq.request_id)
+        self._forget(seq)
+        self.draining[seq.request_id] = seq
 
     # -- the step decision ---------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -525,57 +374,14 @@ class Scheduler(ABC):
             for seq in [s for s in self.running if s in self.parked]:
                 self._preempt(seq, out)
             self._bring_in(out, self.max_num_batched_tokens, now, reserve=0)
-        if self.num_lookahead_slots:
-            self._widen(out)
+        if self.lookahead is not None:
+            budget = self.max_num_batched_tokens - out.num_batched_tokens
+            self.lookahead.widen(out, budget, len(self.running) + self.watermark_blocks)
         return out
 
     def _stalled_by_parked(self) -> bool:
         """Parked sequences hold blocks while others wait to come in."""
         return any(s in self.parked for s in self.running) and self.next_incoming() is not None
-
-    def _widen(self, out: SchedulerOutput) -> None:
-        """Give decodes lookahead slots for draft tokens, from headroom only."""
-        alloc = self.allocator
-        budget = self.max_num_batched_tokens - out.num_batched_tokens
-        headroom = len(self.running) + self.watermark_blocks
-        copies = list(out.copies)
-        for i, s in enumerate(out.scheduled):
-            k = self._num_drafts(s)
-            if not k or k > budget:
-                continue
-            rid, have = s.seq.request_id, s.seq.num_computed_tokens + 1
-            if not alloc.can_allocate(rid, have + k) or (
-                alloc.num_free_blocks() - alloc.blocks_needed(rid, have + k) < headroom
-            ):
-                continue
-            grown = alloc.allocate(rid, have + k)
-            if grown is None:
-                continue
-            copies.extend(grown.copies)  # a region may have moved, even if the draft says no
-            start = 0
-            if self.draft is not None:  # a draft model: its KV grows too
-                start = self.draft.computed.get(rid, 0)
-                # The draft computes the sequence's tokens and its first k - 1 proposals.
-                drafted = self.draft.grow(rid, s.seq.num_tokens + k - 1)
-                if drafted is None:
-                    alloc.trim(rid, have)
-                    continue
-                self.draft.computed[rid] = s.seq.num_tokens + k - 1
-                out.draft_copies.extend(drafted.copies)
-            out.scheduled[i] = Scheduled(s.seq, k + 1, k, start, True)
-            budget -= k
-        out.copies = simultaneous(copies)
-        out.draft_copies = simultaneous(out.draft_copies)
-
-    def _num_drafts(self, s: Scheduled) -> int:
-        """Draft tokens worth verifying for a scheduled sequence (0 unless it decodes)."""
-        seq = s.seq
-        if s.num_new_tokens != 1 or seq.num_uncomputed_tokens != 1:
-            return 0
-        # A verification yields up to k + 1 tokens: never propose past max_tokens or the
-        # model length, where they would all be dropped.
-        left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_seq_len - seq.num_tokens)
-        return max(0, min(self.num_lookahead_slots, left - 1))
 
     def _hold_until(self, now: float) -> float | None:
         if self.running or self.swapped or not self.waiting:
@@ -786,16 +592,3 @@ class Scheduler(ABC):
         """Tokens ``seq`` computes this step: all that remain, if the budget holds them."""
         n = seq.num_uncomputed_tokens
         return n if n <= budget else 0
-
-
-def simultaneous(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Block copies made one after another, as one pass that reads the pre-step arena.
-
-    A decode widened after the base scheduled it may relocate again (A->B by the base, then
-    B->C): applied in one gather-then-scatter pass, C would get B's stale content. Composing
-    gives A->B, A->C; a later writer of the same destination replaces an earlier one.
-    """
-    content: dict[int, int] = {}
-    for src, dst in copies:
-        content[dst] = content.get(src, src)
-    return [(src, dst) for dst, src in content.items() if src != dst]

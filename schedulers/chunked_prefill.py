@@ -19,8 +19,8 @@ prefills never preempt each other mid-prompt.
 from __future__ import annotations
 
 from allocators.base import BlockAllocator
-from schedulers.base import positive_int
 from schedulers.fcfs import FCFSScheduler
+from schedulers.limits import positive_int
 from schedulers.request import Request
 
 

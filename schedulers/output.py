@@ -142,3 +142,16 @@ class KVStats:
     unusable_free_blocks: int
     draft_blocks_used: int
     window_blocks_used: int
+
+
+def simultaneous(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Block copies made one after another, as one pass that reads the pre-step arena.
+
+    A decode widened after the base scheduled it may relocate again (A->B by the base, then
+    B->C): applied in one gather-then-scatter pass, C would get B's stale content. Composing
+    gives A->B, A->C; a later writer of the same destination replaces an earlier one.
+    """
+    content: dict[int, int] = {}
+    for src, dst in copies:
+        content[dst] = content.get(src, src)
+    return [(src, dst) for dst, src in content.items() if src != dst]

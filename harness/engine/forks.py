@@ -122,7 +122,7 @@ class Forks:
         group.beams = [beam for beam, _, _ in beams]
         if not group.beams:
             return self.end_beams(group, "stop", now)
-        if self.scheduler.at_length(group.beams[0]):  # the beams are all one length
+        if self.scheduler.progress.at_length(group.beams[0]):  # the beams are all one length
             return self.end_beams(group, "length", now)
         return []
 

@@ -29,6 +29,7 @@ from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler
+from schedulers.prefix_snapshot import claim_prefix, index_prefix
 
 
 class HostKV:
@@ -55,6 +56,11 @@ class HostKV:
     def holds(self, request_id: str) -> bool:
         """A host copy of ``request_id``'s KV is here (swapped out, or restored from a file)."""
         return request_id in self._copies
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks (of every layer) held in host copies."""
+        return sum(len(host.keys[0]) for host in self._copies.values())
 
     def keep(self, request_id: str, blocks: HostBlocks) -> None:
         """Hold ``blocks``, a host copy of ``request_id``'s KV, until it is written back."""
@@ -128,7 +134,7 @@ class HostKV:
                 warnings.warn(f"{e}; skipped", persistence.KVRestoreWarning, stacklevel=2)
                 continue
             tokens = saved.token_ids[: len(saved.token_ids) // bs * bs]
-            claimed = self.scheduler.claim_prefix(tokens)
+            claimed = claim_prefix(self.scheduler.allocator, tokens)
             if claimed is None:
                 warnings.warn(
                     f"prefix-cache restore stopped at {path.name} ({i} of {len(files)} "
@@ -139,7 +145,7 @@ class HostKV:
                 break
             have, blocks = claimed
             self.runner.swap_in(saved.blocks, blocks, have // bs)
-            self.scheduler.index_prefix(tokens)
+            index_prefix(self.scheduler.allocator, tokens)
             restored += len(tokens) - have
         return restored
 

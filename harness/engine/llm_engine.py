@@ -59,6 +59,7 @@ from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.output import StepResults
+from schedulers.stats import kv_stats
 
 
 class LLMEngine:
@@ -135,7 +136,9 @@ class LLMEngine:
         self.forks = Forks(self.requests, scheduler, runner, window, self.outputs, self.recorder)
         self.pipeline = Pipeline(scheduler, self.requests) if pipeline else None
         self._step = self._pipelined_step if pipeline else self._plain_step
-        self._lock = threading.RLock()  # one call at a time: steps, requests in and out
+        # One call at a time (steps, requests in and out); a caller may hold it to keep the
+        # engine still.
+        self.lock = threading.RLock()
 
     @property
     def arena(self) -> KVArena:
@@ -188,7 +191,7 @@ class LLMEngine:
         restored = None
         if restore_kv:
             restored = self.host.restorable(request_id, restore_kv, tokens, params)
-        with self._lock:
+        with self.lock:
             if taken := self.requests.ids_taken(request_id, params.n, beam is not None):
                 raise RequestError(
                     f"request_id {request_id!r} is already in use ({taken[0]!r}): pick a new one"
@@ -217,7 +220,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state; its blocks are free when this returns."""
-        with self._lock:
+        with self.lock:
             now = self.clock.now()
             group = self.requests.beams.get(request_id)
             if group is not None:
@@ -240,13 +243,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or an abort's output is not yet returned."""
-        with self._lock:
+        with self.lock:
             busy = self.pipeline is not None and self.pipeline.busy
             return self.scheduler.has_unfinished() or bool(self.requests.owed) or busy
 
     def get_num_unfinished_requests(self) -> int:
         """Requests (not completions of n > 1) still running or waiting."""
-        with self._lock:
+        with self.lock:
             return len({seq.group_id for seq in self.scheduler.unfinished()})
 
     def generate(
@@ -270,12 +273,12 @@ class LLMEngine:
     # -- KV files ------------------------------------------------------------------------
     def save_prefix_cache(self, folder: str | Path) -> int:
         """Snapshot the radix allocator's prefix cache into ``folder`` (``HostKV``)."""
-        with self._lock:
+        with self.lock:
             return self.host.save_prefix_cache(folder)
 
     def restore_prefix_cache(self, folder: str | Path) -> int:
         """Load a ``save_prefix_cache`` snapshot into the prefix cache (``HostKV``)."""
-        with self._lock:
+        with self.lock:
             return self.host.restore_prefix_cache(folder)
 
     # -- the loop ------------------------------------------------------------------------
@@ -285,7 +288,7 @@ class LLMEngine:
         ``next_arrival``: when the driver will add its next request, so a scheduler that holds
         back a small batch (min_batch_size) idles no later than that.
         """
-        with self._lock:
+        with self.lock:
             start, now = time.perf_counter(), self.clock.now()
             plan = self.scheduler.schedule(now)
             self._settle()
@@ -313,13 +316,13 @@ class LLMEngine:
         """The sequences the scheduler let go since the last call: the KV of those that keep
         it is saved (their blocks are free but not yet written), their host copies and rings
         go, and each finished request's row goes to the recorder (a beam's is its search's)."""
-        scheduler = self.scheduler
-        if scheduler.released:
-            for seq, table in scheduler.take_released():
+        progress = self.scheduler.progress
+        if progress.released:
+            for seq, table in progress.take_released():
                 self.host.save(seq, table)
-        if scheduler.finished:
+        if progress.finished:
             window, beams = self.window, self.requests.beams
-            for seq in scheduler.take_finished():
+            for seq in progress.take_finished():
                 self.host.forget(seq.request_id)
                 if window is not None:
                     window.drop(seq.request_id)
@@ -429,7 +432,7 @@ class LLMEngine:
 
     def _snapshot(self, plan: SchedulerOutput, step: _Step) -> dict | None:
         """The step's memory and queues, taken while its forward computes."""
-        stats = self.scheduler.stats() if self.recorder.enabled else None
+        stats = kv_stats(self.scheduler) if self.recorder.enabled else None
         proposed = {seq: len(p.tokens) for seq, p in step.proposals.items()}
         return self.recorder.snapshot(stats, plan, proposed)
 

@@ -243,8 +243,8 @@ def test_a_running_searchs_ids_stay_taken_and_a_beams_own_id_is_not_a_request(mo
     root_dropped, final = False, []
     while e.has_unfinished_requests():
         final += [o for o in e.step() if o.request_id == "X"]
-        if "X" in e._beams:
-            root_dropped |= "X" not in e._requests
+        if "X" in e.requests.beams:
+            root_dropped |= "X" not in e.requests.live
             with pytest.raises(ValueError, match="'X' is already in use"):
                 e.add_request("X", prompts[2])
             e.abort_request("X/beam2")

@@ -262,7 +262,7 @@ def test_a_token_is_stamped_when_it_exists_after_sampling(model, prompts, monkey
 def test_a_request_from_another_thread_arrives_when_it_is_handed_over(model, prompts):
     """Arrival is stamped before add_request waits for the engine's lock, not after."""
     engine = build_engine(model, FreeListAllocator, FCFSScheduler, num_blocks=64, clock="wall")
-    with engine._lock:  # a step in progress
+    with engine.lock:  # a step in progress
         handed_over = engine.clock.now()
         client = threading.Thread(target=engine.add_request, args=("a", prompts[1], GREEDY))
         client.start()

@@ -13,9 +13,9 @@ from reference import mlx_lm_tokens
 from test_engine import ALLOCATORS, assert_all_free
 
 from harness.engine import build_engine
-from harness.engine.pipeline import INFLIGHT
 from harness.engine.sampling_params import SamplingParams
 from schedulers.fcfs import FCFSScheduler
+from schedulers.output import INFLIGHT
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -46,7 +46,7 @@ def engine(model, allocator, *, pipeline, num_blocks=64, block_size=16, **schedu
 
 def test_steps_are_synchronous_by_default(model):
     built = build_engine(model, ALLOCATORS[0], FCFSScheduler, num_blocks=8)
-    assert built.pipeline is False
+    assert built.pipeline is None
 
 
 @pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)
@@ -120,7 +120,7 @@ def test_an_abort_while_a_token_is_on_the_device_emits_none_of_it(model, prompts
     e.add_request("a", prompts[1], GREEDY)
     for _ in range(4):
         e.step()
-    assert e._inflight  # a token of "a" is still on the device
+    assert e.pipeline.busy  # a token of "a" is still on the device
     e.abort_request("a")
     outputs = []
     while e.has_unfinished_requests():
@@ -163,7 +163,8 @@ def test_a_synchronous_step_drops_a_sequence_that_stopped_on_the_token_it_read(
     e.add_request("s", prompts[2], params)
     finished = {}
     while "s" not in finished:
-        if e._inflight and e._inflight[0][0].num_output_tokens == first + 1:
+        on_device = next(iter(e.pipeline.rows()), None)
+        if on_device is not None and on_device.num_output_tokens == first + 1:
             e.add_request("sampled", prompts[1], SamplingParams(temperature=0.9, seed=2))
         for out in e.step():
             if out.finished:
@@ -179,7 +180,7 @@ def test_an_abort_after_the_blocks_went_back_still_aborts(model, prompts, refere
     abort then still ends the request as aborted, without that token."""
     e = engine(model, ALLOCATORS[0], pipeline=True)
     e.add_request("a", prompts[1], dataclasses.replace(GREEDY, max_tokens=3))
-    while not e._draining:
+    while not e.scheduler.draining:
         e.step()
     e.abort_request("a")
     outputs = []

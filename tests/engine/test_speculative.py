@@ -26,9 +26,9 @@ from harness.engine.sampling import SampleRow, adjust_logits, filtered_probs
 from harness.engine.sampling_params import SamplingParams
 from harness.engine.speculative import Proposal, Speculation, accept_or_resample, verify
 from harness.platform.models import noisy_copy, random_model
-from schedulers.base import simultaneous
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
+from schedulers.output import simultaneous
 from schedulers.priority import PriorityScheduler
 
 # Upper 0.1 % points of the chi-square distribution (a correct sampler fails 1 run in 1000).

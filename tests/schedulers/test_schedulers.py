@@ -80,7 +80,7 @@ def assert_all_released(engine):
     assert stats.free_blocks + stats.cached_blocks == stats.num_blocks
     sched = engine.scheduler
     assert not (sched.waiting or sched.running or sched.swapped or sched.host_blocks)
-    assert not engine._host
+    assert engine.host.num_blocks == 0
 
 
 @pytest.mark.parametrize("arena", ARENAS)
@@ -121,14 +121,12 @@ def test_overload_loses_nothing(model, prompts, reference, allocator, policy, mo
     engine.add_request("too_long", too_long, params)
     finished = {}
     for _ in range(3000):  # a livelock fails instead of hanging
-        if not (engine.has_unfinished_requests() or engine._pending):
+        if not (engine.has_unfinished_requests() or engine.requests.owed):
             break
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-        assert sum(engine.scheduler.host_blocks.values()) == sum(
-            len(h.keys[0]) for h in engine._host.values()
-        )
+        assert sum(engine.scheduler.host_blocks.values()) == engine.host.num_blocks
     assert len(finished) == 41
     assert finished.pop("too_long").abort_reason.startswith("prompt of 97 tokens exceeds")
     for rid, out in finished.items():
@@ -161,12 +159,12 @@ def test_abort_in_every_state_frees_everything(model, prompts, allocator):
         "running": sched.running[0],
         "waiting": sched.waiting[0],
     }
-    assert engine._host  # the swapped request's KV is in host memory
+    assert engine.host.num_blocks  # the swapped request's KV is in host memory
     for state, seq in by_state.items():
         held = engine.allocator.stats().used_blocks
         engine.abort_request(seq.request_id)
         assert seq.status is Status.FINISHED and seq.finish_reason == "abort"
-        assert seq.request_id not in engine._host, state
+        assert not engine.host.holds(seq.request_id), state
         if state == "running":
             assert engine.allocator.stats().used_blocks < held
         engine.allocator.check()

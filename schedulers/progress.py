@@ -1,0 +1,158 @@
+"""A step's results applied to its sequences: the one writer of a sequence's progress, its
+tokens and how it finished (vLLM v1's ``Scheduler.update_from_output``), and the record of
+the sequences that left for the engine to take.
+
+    advance   each scheduled sequence's KV progress: ``num_computed_tokens``, newly full
+              blocks offered to the prefix cache (``commit``, before any stop frees them
+              uncached), a verification's rejected drafts' slots trimmed (target and draft)
+    append    tokens appended and stamped when they exist on the host, stop checks
+              (``Stopping``) after each; what follows a stop is dropped
+    close     a sequence's finish: FINISHED, its reasons and time, on the finished list
+
+A sequence whose KV the engine keeps (save_kv) hands its block table over before its
+blocks go (``hand_over``), so the engine can save it before the next step writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from allocators.base import BlockAllocator
+from schedulers.kv_groups import DraftKV
+from schedulers.output import INFLIGHT, SchedulerOutput
+from schedulers.request import Request, Status
+from schedulers.stopping import Stopping
+
+Stop = tuple[str, object]  # (finish reason, stop reason)
+
+
+class Progress:
+    """Sequences' progress, tokens and finishes; the sequences that left since the engine
+    last took them."""
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        draft: DraftKV | None,
+        stopping: Stopping,
+        max_seq_len: int,
+    ) -> None:
+        self.allocator = allocator
+        self.draft = draft
+        self.stopping = stopping
+        self.max_seq_len = max_seq_len
+        self.keep_kv: set[str] = set()  # requests whose KV the engine saves when they stop
+        self.finished: list[Request] = []  # since the engine last took them, in order
+        self.released: list[tuple[Request, tuple[int, ...] | None]] = []  # kept KV, ditto
+
+    def advance(self, plan: SchedulerOutput, tokens: Mapping[Request, Sequence[int]]) -> None:
+        """The plan's rows wrote their KV: each scheduled sequence advances by its row's
+        tokens; a verification (``num_draft_tokens``) by its last token and the drafts it
+        kept, all of ``tokens[seq]`` but the last. A sequence that finished while its row
+        computed (pipelined: it stopped on the previous step's token) is skipped."""
+        bs = self.allocator.block_size
+        for s in plan.scheduled:
+            seq = s.seq
+            if seq.status is Status.FINISHED:
+                continue
+            before = seq.num_computed_tokens
+            if s.num_draft_tokens:
+                kept = tokens[seq][:-1]
+                seq.num_computed_tokens += len(kept) + 1
+                if seq.num_computed_tokens // bs > before // bs:
+                    self._commit(seq, [*seq.token_ids, *kept])
+                self.allocator.trim(seq.request_id, seq.num_computed_tokens)
+                if self.draft is not None:
+                    self.draft.rollback(seq.request_id, seq.num_computed_tokens)
+            else:
+                seq.num_computed_tokens = after = before + s.num_new_tokens
+                if after // bs > before // bs:
+                    self._commit(seq, seq.token_ids)
+
+    def _commit(self, seq: Request, token_ids: Sequence[int]) -> None:
+        """Tell the allocator about newly full blocks of written KV (prefix caches share
+        them); ``token_ids`` hold at least the computed tokens. The allocator reads them
+        during the call only, so a decode's whole token list goes without a copy."""
+        n = seq.num_computed_tokens
+        self.allocator.commit(seq.request_id, token_ids if len(token_ids) == n else token_ids[:n])
+
+    def append(self, seq: Request, tokens: Sequence[int], now: float) -> Stop | None:
+        """Append ``tokens``, each existing on the host at ``now``, up to the first that
+        stops ``seq``: that stop, else None."""
+        for token in tokens:
+            seq.token_ids.append(token)
+            seq.token_times.append(now)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason, why = self.stopping.check(seq, token, self.max_seq_len)
+            if reason is not None:
+                return reason, why
+        return None
+
+    def append_pending(self, seq: Request) -> None:
+        """A token still on the device (pipelined steps): a placeholder until ``resolve``."""
+        seq.token_ids.append(INFLIGHT)
+
+    def resolve(self, seq: Request, token: int, now: float) -> Stop | None:
+        """``seq``'s pending token is ``token``, on the host at ``now``: its stop, if any."""
+        seq.token_ids.pop()
+        return self.append(seq, (token,), now)
+
+    def drop_pending(self, seq: Request) -> None:
+        """``seq`` leaves with a token still on the device: that token is never emitted."""
+        if seq.token_ids[-1] == INFLIGHT:
+            seq.token_ids.pop()
+
+    def append_chosen(self, seq: Request, token: int) -> None:
+        """A beam's next token, chosen by its search (no stop checks: the search ends it)."""
+        seq.token_ids.append(token)
+
+    def at_length(self, seq: Request) -> bool:
+        """``seq`` stops on its last token whatever it is (max_tokens, the length limit)."""
+        n = len(seq.token_ids)
+        return n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= self.max_seq_len
+
+    def keep(self, request_id: str) -> None:
+        """The engine saves ``request_id``'s KV when it stops (save_kv)."""
+        self.keep_kv.add(request_id)
+
+    def hand_over(self, seq: Request, keep: bool) -> None:
+        """``seq``'s blocks are about to go: if its KV is kept and ``keep`` (an abort saves
+        none), record its block table (None unless it is on the device: a swapped or
+        recomputed sequence's KV is in the engine's host copy, or nowhere)."""
+        rid = seq.request_id
+        if self.keep_kv and rid in self.keep_kv:
+            self.keep_kv.discard(rid)
+            if keep:
+                on_device = seq.status is Status.RUNNING
+                table = tuple(self.allocator.block_table(rid)) if on_device else None
+                self.released.append((seq, table))
+
+    def close(
+        self,
+        seq: Request,
+        reason: str | None,
+        now: float | None,
+        stop_reason: object = None,
+        abort_reason: str | None = None,
+    ) -> None:
+        """``seq`` finished (``reason`` None: it leaves without a finish of its own, a beam
+        its search dropped)."""
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = now
+        seq.stop_reason = stop_reason
+        seq.abort_reason = abort_reason
+        self.finished.append(seq)
+
+    def take_finished(self) -> list[Request]:
+        """The sequences that finished since the last call, in the order they did."""
+        finished, self.finished = self.finished, []
+        return finished
+
+    def take_released(self) -> list[tuple[Request, tuple[int, ...] | None]]:
+        """Sequences whose KV is kept that gave their blocks back since the last call, each
+        with its block table then (None: not on the device). The blocks are free but
+        unwritten until the next step's block moves and forward."""
+        released, self.released = self.released, []
+        return released

@@ -1,0 +1,36 @@
+"""A scheduler's KV memory and queues for one step, as the recorder reads them
+(``KVStats``): read from the scheduler's and its allocators' public state, never changing it."""
+
+from __future__ import annotations
+
+from schedulers.base import Scheduler
+from schedulers.output import Holding, KVStats
+from schedulers.request import Status
+
+
+def kv_stats(scheduler: Scheduler) -> KVStats:
+    """``scheduler``'s memory and queues as its plan leaves them (the recorder's one view of
+    both, taken each step while the forward computes)."""
+    alloc = scheduler.allocator
+    num_tokens, held_slots, table = alloc.num_tokens, alloc.held_slots, alloc.block_table
+    running = tuple(
+        [
+            Holding(seq, num_tokens(rid), held_slots(rid), tuple(table(rid)))
+            for seq in scheduler.running
+            for rid in (seq.request_id,)
+        ]
+    )
+    head = scheduler.next_incoming()
+    unusable = 0
+    if head is not None:
+        need = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
+        unusable = alloc.unusable_free_blocks(need, head.request_id)
+    return KVStats(
+        blocks=alloc.stats(),
+        running=running,
+        num_waiting=len(scheduler.waiting),
+        num_swapped=len(scheduler.swapped),
+        unusable_free_blocks=unusable,
+        draft_blocks_used=scheduler.draft.allocator.stats().used_blocks if scheduler.draft else 0,
+        window_blocks_used=scheduler.rings.allocator.stats().used_blocks if scheduler.rings else 0,
+    )

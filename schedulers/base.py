@@ -1,14 +1,8 @@
-"""The scheduler contract and the mechanics every policy shares.
+"""The scheduler contract and the mechanics every policy shares (docs/design.md, section 5).
 
-A scheduler decides; it never touches tensors. Each step it returns a ``SchedulerOutput``:
-which sequences run and how many new tokens each computes, who was preempted and how
-(recompute or swap), which swapped sequences come back, and the block copies the runner
-applies first. It asks the allocator for blocks through the allocator's contract and never
-does block arithmetic itself: how many blocks a growth or an admission takes
-(``blocks_needed``) and whether it can be placed at all (``can_allocate``: regions need a
-run or a buddy of the right size) are the allocator's answers, exact for paged, region and
-caching allocators alike; what preempting someone would change is a dry run on a copy of
-the allocator (priority's make-room).
+A scheduler decides, never touching tensors: each step a ``SchedulerOutput`` (who runs and
+how many tokens, who is preempted and how, who comes back, the block copies). Block
+questions go to the allocator (``blocks_needed``, ``can_allocate``).
 
 One step, decode-first (the default)::
 
@@ -16,38 +10,19 @@ One step, decode-first (the default)::
     running   in _running_order, each grows by _chunk tokens; when the allocator says no,
               _victim picks a not-yet-scheduled running sequence (or the asking one) to
               preempt (recompute: free and requeue; swap: copy to host, free)
-    bring in  only if nothing was preempted for lack of memory: swapped sequences, then
-              waiting ones, in _incoming_order, while max_num_seqs, the token budget and
-              the free blocks above the watermark allow; the first that does not fit stops
-              it. A prompt gets blocks for all its tokens (its first chunk runs now); a
-              swapped sequence gets its blocks and host copy back and runs from next step;
-              a request added with ``restored`` tokens (KV from a file) gets those blocks
-              written back (a SwapIn) and computes the rest of its prompt now
+    bring in  only if nothing was preempted for lack of memory: swapped, then waiting, in
+              _incoming_order, while max_num_seqs, the token budget and the free blocks
+              above the watermark allow; the first that does not fit stops it
+    widen     speculative decoding: decodes verify drafts in the headroom (lookahead.py)
 
-Parked sequences (``park``; a beam of a beam search that offered its candidates and waits
-for its siblings) need no step until ``unpark``: they compute nothing and are not admitted
-or swapped in; when memory runs out they are the first victims, and a step that would run
-nothing while parked sequences hold blocks and others wait preempts them all, so a group
-whose members wait on each other never deadlocks the arena.
+Prefill-first (``prefill_first = True``) brings in before the running sequences. Parked
+sequences (a beam waiting for its siblings) need no step until ``unpark`` and are the first
+victims; a step that would run nothing while they hold blocks and others wait preempts them.
 
-Prefill-first (``prefill_first = True``) brings in before scheduling the running sequences,
-keeping back the blocks their decodes need this step.
-
-Speculative decoding (``num_lookahead_slots = k > 0``, with a ``draft`` allocator when a draft
-model proposes; set by the engine): after the step is decided, each decode is widened to
-verify up to ``k`` draft tokens (``Scheduled(seq, 1 + k, num_draft_tokens=k)``) when its slots
-fit in the token budget, at least one free block per running sequence stays free, and the
-draft's arena (if any) has room for the draft's own slots: speculation only uses headroom,
-never preempts anyone. The slots are a reservation: a proposer may fill fewer (n-gram lookup
-proposes what it finds), and ``update`` trims the target's to the tokens kept.
-
-The scheduler is the one owner of every allocation and of each sequence's progress: the
-engine runs the plan and hands the step's results back through ``update`` (KV written, drafts
-accepted), which advances ``num_computed_tokens``, offers newly full blocks to the prefix
-cache (``commit``) and trims rejected drafts' slots; ``finish`` frees a sequence that stopped.
-The draft model's KV and a sliding-window model's rings live on allocators of their own
-(``schedulers/kv_groups.py``), which the scheduler alone calls too: a sequence takes its ring
-when it comes on the device and gives every allocation back when it leaves.
+The scheduler side is the one owner of every allocation and of each sequence's state: the
+engine hands a step's results back through ``update`` (``Progress``: KV progress, tokens,
+stops), and every way a sequence leaves goes through ``finish``. The draft model's KV and a
+sliding-window model's rings live on allocators of their own (``kv_groups.py``).
 
 Policies override the hooks that differ: ``_waiting_order`` / ``_incoming_order`` (who comes
 in first), ``_victim`` (who is preempted), ``_running_order`` and ``_chunk`` (chunking), and
@@ -62,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 
 from allocators.base import Allocation, BlockAllocator, blocks_for
+from schedulers.admission import never_fits, take_blocks, write_back
 from schedulers.kv_groups import DraftKV, WindowRings
 from schedulers.limits import check_limits
 from schedulers.lookahead import Lookahead
@@ -79,35 +55,19 @@ from schedulers.output import (  # noqa: F401  (re-exported: part of the contrac
 from schedulers.progress import Progress
 from schedulers.request import Request, Status
 from schedulers.stopping import Stopping
+from schedulers.swap_space import SwapSpace
 
 
 class Scheduler(ABC):
     """Continuous batching mechanics under the batch constraints; subclasses choose order,
     victims and chunking (see the module docstring for one step).
 
-    Args:
-        max_num_seqs: running sequences at most.
-        max_num_batched_tokens: new tokens per step at most (the token budget); None, as
-            vLLM: 2048 when the policy chunks prefills, else max(max_model_len, 2048).
-        max_model_len: prompt + output tokens at most; longer prompts are rejected. A
-            sequence stops at ``max_seq_len``: this or what one sequence can hold in the arena.
-        watermark: fraction of the arena's blocks kept free for running sequences' growth
-            when admitting or swapping in (ignored while nothing runs, so it never blocks).
-        min_batch_size, max_wait: while nothing runs, do not start a batch of fewer than
-            ``min_batch_size`` waiting requests until the oldest has waited ``max_wait``
-            seconds (never longer).
-        preemption_mode: ``recompute`` or ``swap``.
-        swap_blocks: host blocks the swap space holds (None: unbounded); a victim that does
-            not fit is preempted by recompute instead.
-        num_lookahead_slots: draft tokens a decode may verify per step (speculative
-            decoding; the engine sets it, 0 without).
-        draft: the draft model's allocator (speculative decoding with a draft model; the
-            engine sets it; None for a proposer without one, e.g. n-gram lookup).
-        window: builds the sliding-window rings for ``max_num_seqs`` sequences (a model with
-            window layers; the engine sets it). Admission then reads no prefix cache: a
-            cached prefix does not hold the window layers' KV.
-        stopping: the model's EOS ids and detokenizer for the stop checks (the engine sets
-            it); without, sequences stop by length and stop_token_ids alone.
+    Args: the batch constraints (``limits.check_limits`` says what each is), and what the
+        engine sets: ``num_lookahead_slots`` (draft tokens a decode may verify), ``draft``
+        (the draft model's allocator; None for n-gram lookup), ``window`` (builds the
+        sliding-window rings; admission then reads no prefix cache, which lacks the window
+        layers' KV), ``stopping`` (the model's EOS ids and detokenizer; without, sequences
+        stop by length and stop_token_ids alone).
     """
 
     chunked_prefill = False
@@ -154,11 +114,10 @@ class Scheduler(ABC):
         self.min_batch_size = min_batch_size
         self.max_wait = max_wait
         self.preemption_mode = Preemption(preemption_mode)
-        self.swap_blocks = swap_blocks
+        self.swap_space = SwapSpace(swap_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.swapped: list[Request] = []  # in swap-out order
-        self.host_blocks: dict[str, int] = {}  # swapped request -> blocks of its host copy
         # Waiting request -> leading tokens whose KV the engine holds in host memory
         # (restored from a file), written back when it is admitted instead of computed.
         self.restored: dict[str, int] = {}
@@ -176,11 +135,9 @@ class Scheduler(ABC):
 
     # -- requests in and out -------------------------------------------------------------
     def add(self, seq: Request, restored: int = 0, keep_kv: bool = False) -> None:
-        """Queue a request. ``restored``: the engine holds the KV of its first ``restored``
-        tokens in host memory (a file); admission writes those blocks back, as a swap-in
-        (``SwapIn`` in the same step), and computes only the rest. ``keep_kv``: when it stops,
-        its block table is handed over before its blocks go (``take_released``: the engine
-        saves its KV)."""
+        """Queue a request. ``restored``: the engine holds its first ``restored`` tokens' KV
+        (a file), written back at admission (a ``SwapIn``). ``keep_kv``: the engine saves its
+        KV when it stops (``Progress.hand_over``)."""
         seq.status = Status.WAITING
         self.waiting.append(seq)
         self.allocator.expect(seq.request_id, self._final_slots(seq))
@@ -201,10 +158,9 @@ class Scheduler(ABC):
         return seq
 
     def fork(self, parent: Request, child: Request) -> Allocation | None:
-        """Run ``child`` beside ``parent`` on the parent's KV (parallel sampling, beams): the
-        allocator shares or copies the parent's blocks (``Allocation.copies`` for the
-        engine). Without room, at ``max_num_seqs``, or when the parent holds no blocks (it
-        was preempted), the child waits at the head of the line and recomputes."""
+        """Run ``child`` on ``parent``'s KV (n > 1, beams), shared or copied by the allocator;
+        without room, at ``max_num_seqs`` or off a preempted parent, the child waits first in
+        line to recompute."""
         alloc = None
         self.allocator.expect(child.request_id, self._final_slots(child))
         if parent.status is Status.RUNNING and len(self.running) < self.max_num_seqs:
@@ -240,12 +196,9 @@ class Scheduler(ABC):
         stop_reason: str | int | None = None,
         abort_reason: str | None = None,
     ) -> None:
-        """The one way a sequence leaves, whatever ends it: a stop, an abort, a rejection, a
-        beam its search dropped (``reason`` None: it records no finish), a completion.
-
-        Its blocks go back (a sequence whose KV is kept hands its table over first), its
-        queues and hints forget it, and it is FINISHED with its reasons at ``now``; the
-        engine takes it from ``take_finished``. Cached blocks may stay shared."""
+        """The one way a sequence leaves, whatever ends it (a stop, an abort, a rejection, a
+        beam dropped: ``reason`` None): its blocks go back, the queues forget it, and it is
+        FINISHED at ``now`` (``Progress.close``). Cached blocks may stay shared."""
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
@@ -272,20 +225,18 @@ class Scheduler(ABC):
         """``seq`` needs no hint, host copy, restore or park any more."""
         rid = seq.request_id
         self.allocator.expect(rid, None)
-        self.host_blocks.pop(rid, None)
+        self.swap_space.release(rid)
         self.restored.pop(rid, None)
         self.parked.discard(seq)
 
     def _final_slots(self, seq: Request) -> int:
         """The KV slots ``seq`` holds when it finishes: its prompt and ``max_tokens`` outputs
-        but the last (sampled, never fed back), at most ``max_seq_len``. Exact in a replay
-        (greedy, EOS ignored); an upper bound where EOS or a stop rule ends it sooner."""
+        but the last, at most ``max_seq_len`` (an upper bound where a stop ends it sooner)."""
         prompt = seq.num_tokens - seq.num_output_tokens
         return min(prompt + seq.params.max_tokens - 1, self.max_seq_len)
 
     def _release(self, request_id: str) -> tuple[int, ...]:
-        """Give back everything ``request_id`` holds on the device; returns its window ring
-        (empty without), readable until the step writes."""
+        """Give back all ``request_id`` holds on the device; returns its window ring, if any."""
         self.allocator.free(request_id)
         if self.draft is not None:
             self.draft.release(request_id)
@@ -299,9 +250,6 @@ class Scheduler(ABC):
         """Every request waiting, running, swapped out or draining."""
         return [*self.waiting, *self.running, *self.swapped, *self.draining.values()]
 
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.draining)
-
     def next_incoming(self) -> Request | None:
         """The request that comes in next when room allows (the head of the line)."""
         return next(self._incoming(), None)
@@ -310,13 +258,10 @@ class Scheduler(ABC):
     def update(
         self, plan: SchedulerOutput, results: StepResults
     ) -> list[tuple[Request, Request, Allocation]]:
-        """The plan's rows ran: the one place a step moves its sequences (vLLM v1's
-        ``update_from_output``): their KV progress (``Progress.advance``), then the forks
-        (``results.forks``' children join on their parents' KV), then each sequence's tokens,
-        stamped ``results.now``, up to a stop, which finishes it. Pending tokens (pipelined)
-        are placeholders; a sequence sure to stop on its (max_tokens, the length limit)
-        gives its blocks back now and drains until ``resolve``. Returns the forks that got
-        KV, with their allocations (block copies for the engine)."""
+        """The plan's rows ran (vLLM v1's ``update_from_output``): KV progress, then the
+        forks on their parents' KV, then each sequence's tokens up to a stop, which finishes
+        it. Pending tokens (pipelined) are placeholders; one sure to be the last drains its
+        blocks now. Returns the forks that got KV, with their allocations."""
         progress = self.progress
         progress.advance(plan, results.tokens)
         forked = []
@@ -418,13 +363,9 @@ class Scheduler(ABC):
 
     def _bring_in(self, out: SchedulerOutput, budget: int, now: float, reserve: int) -> int:
         """Swap in, then admit, in ``_incoming_order``; the first that does not fit stops it.
-
-        A swapped-in sequence gets its blocks and host copy back now and runs from the next
-        step: the engine writes it after this step's block copies, whose sources may be the
-        very blocks it gets (a region that relocated this step).
-
-        The incoming order is read lazily (a saturated replay's queue holds tens of
-        thousands), so the requests that leave the queues go after the loop."""
+        A swapped-in sequence runs from the next step (the engine writes it after this step's
+        block copies, whose sources may be its blocks). The order is read lazily (a saturated
+        queue holds tens of thousands), so those leaving the queues go after the loop."""
         just_preempted = {id(s) for s, _ in out.preempted}
         leaving: list[tuple[deque[Request] | list[Request], Request]] = []  # admitted, rejected
         for seq in self._incoming():
@@ -433,7 +374,7 @@ class Scheduler(ABC):
                 break
             if id(seq) in just_preempted:
                 break  # it made room for someone this step; do not undo that
-            if not swapped and (reason := self._never_fits(seq)):
+            if not swapped and (reason := never_fits(seq, self.max_model_len, self.allocator)):
                 leaving.append((self.waiting, seq))
                 self._let_go(seq, "abort", now, abort_reason=reason)
                 out.rejected.append((seq, reason))
@@ -447,7 +388,8 @@ class Scheduler(ABC):
             if not swapped:
                 seq.num_computed_tokens = max(cached, self.restored.get(seq.request_id, 0))
             n = 0 if swapped else self._chunk(seq, budget)
-            alloc = self._take(seq, reserve) if n > 0 or swapped else None
+            keep = reserve + (self.watermark_blocks if self.running else 0)
+            alloc = take_blocks(self.allocator, seq, keep) if n > 0 or swapped else None
             if alloc is None:
                 self.allocator.free(seq.request_id)  # drop the prefix references taken above
                 if not swapped:
@@ -466,14 +408,15 @@ class Scheduler(ABC):
             ring = self.rings.take(seq.request_id) if self.rings is not None else ()
             if swapped:
                 leaving.append((self.swapped, seq))
-                host = self.host_blocks.pop(seq.request_id)
+                host = self.swap_space.release(seq.request_id)
                 first = cached // self.allocator.block_size
                 table = self.allocator.block_table(seq.request_id)
                 out.swapped_in.append(SwapIn(seq, tuple(table[first:host]), first, ring))
                 continue
             leaving.append((self.waiting, seq))
             if seq.request_id in self.restored:
-                self._write_back(out, seq, cached)
+                restored = self.restored.pop(seq.request_id)
+                out.swapped_in.append(write_back(self.allocator, seq, cached, restored))
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
             if seq.first_scheduled_time is None:
@@ -488,35 +431,9 @@ class Scheduler(ABC):
         copy holds the rest, and every layer's blocks)."""
         return self.read_prefix_cache and not seq.params.skip_reading_prefix_cache
 
-    def _write_back(self, out: SchedulerOutput, seq: Request, cached: int) -> None:
-        """An admitted request's restored host copy: its blocks past the prefix-cache hit are
-        written before the forward computes the rest of the prompt."""
-        restored = self.restored.pop(seq.request_id)
-        first = cached // self.allocator.block_size
-        last = blocks_for(restored, self.allocator.block_size)
-        table = self.allocator.block_table(seq.request_id)
-        out.swapped_in.append(SwapIn(seq, tuple(table[first:last]), first))
-
     def _decode_blocks(self, seq: Request) -> int:
         """Blocks ``seq`` takes to compute one more token."""
         return self.allocator.blocks_needed(seq.request_id, seq.num_computed_tokens + 1)
-
-    def _take(self, seq: Request, reserve: int) -> Allocation | None:
-        """Blocks for all the tokens of an incoming ``seq`` (its prefix-cache match already
-        taken), if ``reserve`` blocks and the watermark stay free.
-
-        A prompt gets all its blocks at admission even when it computes only a chunk now (as
-        vLLM v0 does with chunked prefill): chunked prefills that each hold part of their
-        prompt could otherwise preempt each other forever, and a region allocator could
-        leave a lone prefill unable to grow."""
-        alloc, rid = self.allocator, seq.request_id
-        whole = seq.num_computed_tokens if seq.status is Status.SWAPPED else seq.num_tokens
-        keep = reserve + (self.watermark_blocks if self.running else 0)
-        if not alloc.can_allocate(rid, whole) or (
-            alloc.num_free_blocks() - alloc.blocks_needed(rid, whole) < keep
-        ):
-            return None
-        return alloc.allocate(rid, whole)
 
     @staticmethod
     def _run(out: SchedulerOutput, seq: Request, n: int, alloc: Allocation, budget: int) -> int:
@@ -525,33 +442,21 @@ class Scheduler(ABC):
         out.scheduled.append(Scheduled(seq, n, 0, 0, seq.num_computed_tokens + n == seq.num_tokens))
         return budget - n
 
-    def _never_fits(self, seq: Request) -> str | None:
-        if seq.num_tokens > self.max_model_len:
-            return f"prompt of {seq.num_tokens} tokens exceeds max_model_len={self.max_model_len}"
-        capacity = self.allocator.max_seq_tokens
-        if seq.num_tokens > capacity:
-            return (
-                f"prompt of {seq.num_tokens} tokens exceeds the {capacity} KV slots one "
-                "sequence can hold in the KV arena"
-            )
-        return None
-
     def _preempt(self, seq: Request, out: SchedulerOutput) -> None:
         """Take a running sequence off the device, by swap when configured and room allows."""
         self.running.remove(seq)
         seq.preemptions += 1
         num_blocks = blocks_for(seq.num_computed_tokens, self.allocator.block_size)
-        host_used = sum(self.host_blocks.values())
         if (
             self.preemption_mode is Preemption.SWAP
             and num_blocks > 0
-            and (self.swap_blocks is None or host_used + num_blocks <= self.swap_blocks)
+            and self.swap_space.fits(num_blocks)
         ):
             blocks = tuple(self.allocator.block_table(seq.request_id)[:num_blocks])
             ring = self._release(seq.request_id)
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
-            self.host_blocks[seq.request_id] = num_blocks
+            self.swap_space.hold(seq.request_id, num_blocks)
             out.swapped_out.append(SwapOut(seq, blocks, ring))
             out.preempted.append((seq, Preemption.SWAP))
             return

@@ -28,8 +28,23 @@ def check_limits(
     draft: bool,
 ) -> int:
     """Check a scheduler's constraints (``Scheduler``'s arguments; ``draft``: a draft
-    allocator is given); returns the token budget, vLLM's default when None: 2048 when
-    prefills are chunked, else max(max_model_len, 2048)."""
+    allocator is given); returns the token budget.
+
+    Args:
+        max_num_seqs: running sequences at most.
+        max_num_batched_tokens: new tokens per step at most (the token budget); None, as
+            vLLM: 2048 when the policy chunks prefills, else max(max_model_len, 2048).
+        max_model_len: prompt + output tokens at most; longer prompts are rejected. A
+            sequence stops at ``max_seq_len``: this or what one sequence can hold in the arena.
+        watermark: fraction of the arena's blocks kept free for running sequences' growth
+            when admitting or swapping in (ignored while nothing runs, so it never blocks).
+        min_batch_size, max_wait: while nothing runs, do not start a batch of fewer than
+            ``min_batch_size`` waiting requests until the oldest has waited ``max_wait``
+            seconds (never longer).
+        preemption_mode: ``recompute`` or ``swap``.
+        swap_blocks: host blocks the swap space holds (None: unbounded); a victim that does
+            not fit is preempted by recompute instead.
+    """
     if max_num_batched_tokens is None:
         max_num_batched_tokens = 2048 if chunked_prefill else max(max_model_len, 2048)
     for name, value in [

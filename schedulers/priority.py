@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 
 from allocators.base import BlockAllocator
+from schedulers.admission import never_fits
 from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.request import Request, Status
 
@@ -84,7 +85,11 @@ class PriorityScheduler(Scheduler):
         if not self.preempt_lower or head is None or not self.running:
             return
         lower = sorted((s for s in self.running if self.rank(s) > self.rank(head)), key=self.rank)
-        if not lower or self._never_fits(head) or self._fits_by_count(head):
+        if (
+            not lower
+            or never_fits(head, self.max_model_len, self.allocator)
+            or self._fits_by_count(head)
+        ):
             return
         # The fewest lowest-ranked victims after which the head comes in this step, found by
         # dry runs on a copy of the allocator; if all of them would not do, nobody goes.

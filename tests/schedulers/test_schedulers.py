@@ -79,7 +79,7 @@ def assert_all_released(engine):
     assert stats.used_blocks == 0
     assert stats.free_blocks + stats.cached_blocks == stats.num_blocks
     sched = engine.scheduler
-    assert not (sched.waiting or sched.running or sched.swapped or sched.host_blocks)
+    assert not (sched.waiting or sched.running or sched.swapped or sched.swap_space.used)
     assert engine.host.num_blocks == 0
 
 
@@ -126,7 +126,7 @@ def test_overload_loses_nothing(model, prompts, reference, allocator, policy, mo
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-        assert sum(engine.scheduler.host_blocks.values()) == engine.host.num_blocks
+        assert engine.scheduler.swap_space.used == engine.host.num_blocks
     assert len(finished) == 41
     assert finished.pop("too_long").abort_reason.startswith("prompt of 97 tokens exceeds")
     for rid, out in finished.items():

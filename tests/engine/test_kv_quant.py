@@ -274,14 +274,32 @@ def test_the_model_clock_refuses_a_quantized_arena(model):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_smollm2_greedy_tokens_equal_mlx_lms_quantized_cache(smollm2, bits):
     """The trained model (peaked logits, not a random model's flat ones) through the
-    quantized arena: mlx_lm's tokens over its QuantizedKVCache, batched and paged."""
+    quantized arena, paged: each prompt alone gives mlx_lm's tokens over its
+    QuantizedKVCache exactly. Batched, the rows' float arithmetic differs from one row's in
+    the last bits, which can move a value across a 4-bit quantization step: the batched
+    tokens match until the first near-tie, where each run's token is among the other's top
+    5 (vLLM's ``check_logprobs_close``). On one Xeon the 4-bit batch diverges at token 10, a
+    tie of 0.09 nats in mlx_lm's own logits; on an EPYC it did not."""
     prompts = [
         smollm2.tokenizer.encode(text)
         for text in ("The capital of France is", "Photosynthesis is the process by which")
     ]
     reference = [mlx_lm_quantized_tokens(smollm2, p, MAX_TOKENS, bits) for p in prompts]
-    e = engine(smollm2, ContiguousAllocator, bits=bits, num_blocks=8, block_size=16)
-    assert tokens(e.generate(prompts, GREEDY)) == reference
+    params = dataclasses.replace(GREEDY, logprobs=5)
+    alone = [
+        engine(smollm2, ContiguousAllocator, bits=bits, num_blocks=8, block_size=16).generate(
+            [p], params
+        )[0]
+        for p in prompts
+    ]
+    assert tokens(alone) == reference
+    batched = engine(smollm2, ContiguousAllocator, bits=bits, num_blocks=8, block_size=16)
+    for ours, theirs in zip(batched.generate(prompts, params), alone, strict=True):
+        ours, theirs = ours.outputs[0], theirs.outputs[0]
+        for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids, strict=True)):
+            if a != b:
+                assert a in theirs.logprobs[i] and b in ours.logprobs[i], (i, a, b)
+                break
     if bits == 8:  # 8-bit K/V keep the trained model's answer
         assert smollm2.tokenizer.decode(reference[0]).lstrip().startswith("Paris")
 

@@ -229,8 +229,8 @@ def test_a_file_round_trips_bit_identical_in_bfloat16(tmp_path):
     run(engine, "a", list(range(1, 40)), 2)  # some KV in the arena
     blocks = engine.runner.swap_out([0, 1, 2])
     path = tmp_path / "kv.safetensors"
-    persistence.save(path, engine.kv_spec, list(range(1, 40)), blocks)
-    loaded = persistence.load(path, engine.kv_spec)
+    persistence.save(path, engine.host.kv_spec, list(range(1, 40)), blocks)
+    loaded = persistence.load(path, engine.host.kv_spec)
     assert loaded.token_ids == tuple(range(1, 40))
     back = loaded.blocks
     for a, b in zip(blocks.keys + blocks.values, back.keys + back.values, strict=True):

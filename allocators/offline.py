@@ -39,15 +39,27 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from allocators.base import BlockAllocator, blocks_for
 
-if TYPE_CHECKING:  # kept out at run time: importing harness configures MLX
-    from harness.workload.traces import TraceRequest
-
 Request = tuple[Sequence[int], Sequence[int]]
 """``(prompt_token_ids, output_token_ids)``: what one request computes, in order."""
+
+
+class TracedRequest(Protocol):
+    """What ``trace_requests`` reads of a trace's request (``harness.workload.traces.
+    TraceRequest`` has it); a protocol, so allocators/ imports nothing of harness/."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        """The prompt's token ids."""
+        ...
+
+    @property
+    def max_tokens(self) -> int:
+        """The output length the request asks for."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +76,7 @@ class HitStats:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def trace_requests(trace: Iterable[TraceRequest]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def trace_requests(trace: Iterable[TracedRequest]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """A trace as ``(prompt, output)`` pairs, outputs being ``max_tokens`` fresh unique ids.
 
     Why fresh ids: the engine's real outputs differ from whatever a trace generator put in

@@ -1,4 +1,5 @@
-"""The CI definitions: .github/workflows/ci.yml and .ci/run run the README's commands.
+"""The CI definitions: .github/workflows/ci.yml and .ci/run run the README's commands, then the
+import contracts (lint-imports) and the regression benchmark.
 
 actionlint (GitHub's workflow checker) runs on the workflow when it is on PATH; no wheel of the
 upstream checker installs offline (its PyPI wrapper downloads the binary when built), so it is
@@ -17,6 +18,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
+LINT_IMPORTS = ".venv/bin/lint-imports"  # pyproject.toml's import contracts
 
 
 def readme_test_command() -> str:
@@ -65,14 +67,15 @@ def test_every_job_installs_tests_benchmarks_and_uploads_results_as_the_readme_s
         assert install in runs, (name, runs)
         assert test in runs, (name, runs)
         assert any(r.startswith(".venv/bin/kvbench-regress") for r in runs), (name, runs)
-        assert runs.index(install) < runs.index(test), name
+        assert runs.index(install) < runs.index(test) < runs.index(LINT_IMPORTS), name
         assert "actions/checkout" in uses, name
         assert uses["actions/upload-artifact"]["with"]["path"].rstrip("/") == "results", name
 
 
-def test_ci_run_runs_the_readme_test_command_then_the_regression_benchmark():
+def test_ci_run_runs_the_readme_test_command_then_the_import_contracts_and_the_benchmark():
     lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     at = lines.index(readme_test_command())
+    assert LINT_IMPORTS in lines[at + 1 :]
     assert any(line.startswith(".venv/bin/kvbench-regress") for line in lines[at + 1 :])
 
 

@@ -21,7 +21,7 @@ def benchmarks() -> dict[str, str]:
     source so that listing them imports none."""
     out = {}
     for module in pkgutil.iter_modules(harness.bench.__path__):
-        if module.name.startswith("_"):
+        if module.ispkg or module.name.startswith("_"):  # __main__; support/: no benchmark
             continue
         spec = importlib.util.find_spec(f"harness.bench.{module.name}")
         doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) or ""

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from allocators.base import BlockAllocator, blocks_for
-from harness.bench._table import underlined
+from harness.bench.support.tables import underlined
 
 MAX_PROMPT, MAX_OUTPUT, SYSTEM_LEN, NUM_SYSTEM_PROMPTS = 1024, 512, 256, 4
 TOKEN_SPACE = 1 << 20  # per-sequence token ids are unique, so only system prompts are shared

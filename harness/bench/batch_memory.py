@@ -46,9 +46,9 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from omegaconf import DictConfig
 
 from harness.analysis.metrics import requests_frame, steps_frame
-from harness.bench._components import build, compose_config
+from harness.bench.support.components import compose_config
 from harness.cli.replay import replay
-from harness.cli.run import warm_up
+from harness.cli.run import build_component, warm_up
 from harness.engine import LLMEngine
 from harness.workload.traces import Trace
 
@@ -146,9 +146,11 @@ def run_kvbench(cfg: DictConfig, model, trace: Trace) -> tuple[Memory, float]:
     """Replay ``trace`` through LLMEngine as ``cfg`` configures it; (its memory, arena bytes)."""
 
     def new_engine() -> LLMEngine:
-        return build(cfg.engine)(model, build(cfg.allocator), build(cfg.scheduler))
+        return build_component(cfg.engine)(
+            model, build_component(cfg.allocator), build_component(cfg.scheduler)
+        )
 
-    sampling = build(cfg.sampling)
+    sampling = build_component(cfg.sampling)
     if cfg.warmup:
         warm_up(new_engine(), trace, cfg.warmup, sampling)
     engine = new_engine()
@@ -185,8 +187,8 @@ def measure(
     """Every system's ``Memory`` on the composed trace, interleaved ``rounds`` times (the fastest
     throughput kept); and facts for the header."""
     cfg = compose_config([EXPERIMENT, *overrides])
-    model = build(cfg.model)
-    trace = build(cfg.trace.generator)
+    model = build_component(cfg.model)
+    trace = build_component(cfg.trace.generator)
     out: dict[str, Memory] = {}
     arena = 0
     for _ in range(rounds):

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from typing import Any
 
-from harness.bench._timing import median_seconds
+from harness.bench.support.timing import median_seconds
 
 # (M, K, N): a prefill-like MLP projection, a square reference, and a batch-32 decode step.
 SIZES: list[tuple[int, int, int]] = [(512, 1024, 2816), (1024, 1024, 1024), (32, 1024, 2816)]

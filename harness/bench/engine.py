@@ -33,8 +33,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
-from harness.bench._components import ALLOCATORS, build, compose_config
-from harness.bench._table import underlined
+from harness.bench.support.components import ALLOCATORS, compose_config
+from harness.bench.support.tables import underlined
+from harness.cli.run import build_component
 from harness.engine import LLMEngine, build_engine
 from harness.engine.sampling_params import SamplingParams
 from harness.platform import blas
@@ -93,8 +94,8 @@ def workload_engine(
     )
     engine = build_engine(
         loaded,
-        build(cfg.allocator),
-        build(cfg.scheduler),
+        build_component(cfg.allocator),
+        build_component(cfg.scheduler),
         block_size=block_size,
         num_blocks=2 * need + 16,  # slack so region allocators grow without preempting
         max_model_len=longest,
@@ -174,7 +175,7 @@ def main(argv: list[str]) -> None:
         model = compose_config([f"model={size}"]).model
         if "seed" in model:  # a random model; a trained one has its weights
             model.seed = args.seed
-        loaded = build(model)
+        loaded = build_component(model)
         rng = np.random.default_rng(args.seed)
         warm = [rng.integers(1, loaded.vocab_size, 16).tolist()]
         # Warm up both paths (first-call allocations, thread pools).

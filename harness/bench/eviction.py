@@ -42,7 +42,8 @@ from allocators.offline import (
     trace_requests,
 )
 from allocators.radix import RadixAllocator
-from harness.bench._components import build, compose_config
+from harness.bench.support.components import compose_config
+from harness.cli.run import build_component
 from harness.workload.distributions import Poisson, Uniform
 from harness.workload.generators import multi_turn, shared_prefix
 from harness.workload.traces import Trace, max_prefix_hit_rate
@@ -82,7 +83,7 @@ def mooncake_trace(num_requests: int, seed: int) -> Trace:
     """``trace=mooncake_like`` (conf/trace/mooncake_like.yaml) of ``num_requests``."""
     cfg = compose_config(["trace=mooncake_like", f"trace.num_requests={num_requests}",
                           f"trace.seed={seed}"])  # fmt: skip
-    return build(cfg.trace.generator)
+    return build_component(cfg.trace.generator)
 
 
 def radix(budget: int, block_size: int, policy: str) -> Callable[[], RadixAllocator]:

@@ -40,9 +40,10 @@ import numpy as np
 
 from allocators.base import blocks_for
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
-from harness.bench._components import build, compose_config
-from harness.bench._table import format_table
+from harness.bench.support.components import compose_config
+from harness.bench.support.tables import format_table
 from harness.cli.replay import replay
+from harness.cli.run import build_component
 from harness.engine import build_engine
 from harness.engine.kv_cache import KVArena, KVFormat
 from harness.engine.model_runner import ModelRunner, Row
@@ -92,8 +93,8 @@ def greedy_tokens(
     blocks = sum(blocks_for(len(p) + tokens, block_size) for p in prompts)
     engine = build_engine(
         model,
-        build(compose_config(["allocator=free_list"]).allocator),
-        build(compose_config(["scheduler=fcfs"]).scheduler),
+        build_component(compose_config(["allocator=free_list"]).allocator),
+        build_component(compose_config(["scheduler=fcfs"]).scheduler),
         block_size=block_size,
         num_blocks=blocks,
         kv_bits=fmt.bits,
@@ -139,11 +140,11 @@ def overload(
             f"trace.vocab_size={min(model.vocab_size, 1024)}",
         ]
     )
-    trace = build(cfg.trace.generator)
+    trace = build_component(cfg.trace.generator)
     engine = build_engine(
         model,
-        build(compose_config(["allocator=free_list"]).allocator),
-        build(compose_config(["scheduler=fcfs"]).scheduler),
+        build_component(compose_config(["allocator=free_list"]).allocator),
+        build_component(compose_config(["scheduler=fcfs"]).scheduler),
         block_size=args.block_size,
         kv_cache_bytes=budget,
         kv_bits=fmt.bits,
@@ -187,7 +188,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0, help="prompts' and trace's seed")
     args = parser.parse_args(argv)
     bits = [int(b) for b in args.bits.split(",")]
-    model = build(compose_config([f"model={args.model}"]).model)
+    model = build_component(compose_config([f"model={args.model}"]).model)
     formats = {b: KVFormat(b, args.group_size) for b in bits}
     for fmt in formats.values():
         fmt.check(model)

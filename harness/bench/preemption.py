@@ -36,7 +36,8 @@ import statistics
 import numpy as np
 
 from allocators.base import blocks_for
-from harness.bench._components import build, compose_config, options
+from harness.bench.support.components import compose_config, options
+from harness.cli.run import build_component
 from harness.engine import build_engine
 from harness.engine.sampling_params import SamplingParams
 from harness.platform.models import LoadedModel
@@ -62,8 +63,8 @@ def one_preemption(loaded: LoadedModel, allocator: str, mode: str, length: int) 
     )
     engine = build_engine(
         loaded,
-        build(cfg.allocator),
-        build(cfg.scheduler),
+        build_component(cfg.allocator),
+        build_component(cfg.scheduler),
         block_size=BLOCK_SIZE,
         num_blocks=num_blocks,
         max_model_len=max(2048, num_blocks * BLOCK_SIZE),
@@ -152,7 +153,7 @@ def main(argv: list[str]) -> None:
     allocators = args.allocators.split(",")
     print(f"block size {BLOCK_SIZE}; ms per preemption, median of {args.repeats} rounds")
     for size in args.sizes.split(","):
-        loaded = build(compose_config([f"model={size}"]).model)
+        loaded = build_component(compose_config([f"model={size}"]).model)
         costs = measure(loaded, allocators, lengths, args.repeats)
         kv = loaded.kv_bytes_per_token()
         print(f"{loaded.name}: {loaded.num_params / 1e6:.1f}M params, {kv} KV bytes per token")

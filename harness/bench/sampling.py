@@ -28,8 +28,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from harness.bench._table import underlined
-from harness.bench._timing import median_seconds
+from harness.bench.support.tables import underlined
+from harness.bench.support.timing import median_seconds
 from harness.engine.sampling import SampleRow, adjust, draw_tokens, filtered, sample
 from harness.engine.sampling_params import SamplingParams, make_rng
 from harness.platform.smollm2 import load_smollm2

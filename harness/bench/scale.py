@@ -36,8 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.bench._components import ALLOCATORS, compose_config, options
-from harness.bench._table import format_table
+from harness.bench.support.components import ALLOCATORS, compose_config, options
+from harness.bench.support.tables import format_table
 
 PROG = "python -m harness.bench scale"
 PROFILE = "results/baselines/profile-llama-tiny.json"

@@ -44,8 +44,8 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from harness.analysis import results
-from harness.bench._components import compose_config
-from harness.bench._table import format_table
+from harness.bench.support.components import compose_config
+from harness.bench.support.tables import format_table
 from harness.cli.calibrate import PROFILE_FILE, calibrate
 from harness.cli.run import CONFIG_DIR
 from harness.cli.run import run as run_experiment

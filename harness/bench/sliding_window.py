@@ -23,7 +23,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from harness.bench._components import ALLOCATORS, build, compose_config
+from harness.bench.support.components import ALLOCATORS, compose_config
+from harness.cli.run import build_component
 from harness.engine import build_engine
 from harness.engine.sampling_params import SamplingParams
 from harness.platform.models import LoadedModel
@@ -35,7 +36,9 @@ MODELS = "tiny_gemma3,tiny_gpt_oss,tiny_llama_swa"
 
 def build_model(name: str, window: int) -> LoadedModel:
     """The conf/model/ option ``name`` with its sliding window set to ``window`` tokens."""
-    return build(compose_config([f"model={name}", f"++model.sliding_window={window}"]).model)
+    return build_component(
+        compose_config([f"model={name}", f"++model.sliding_window={window}"]).model
+    )
 
 
 def mlx_lm_tokens(model: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:
@@ -51,8 +54,8 @@ def run(model: LoadedModel, allocator: str, prompts, args) -> tuple[list[list[in
     )
     engine = build_engine(
         model,
-        build(cfg.allocator),
-        build(cfg.scheduler),
+        build_component(cfg.allocator),
+        build_component(cfg.scheduler),
         block_size=args.block_size,
         num_blocks=sum(-(-(len(p) + args.max_tokens) // args.block_size) for p in prompts) * 2,
         record=False,

@@ -47,7 +47,7 @@ import numpy as np
 from mlx_lm.generate import generate_step, speculative_generate_step
 
 from allocators.free_list import FreeListAllocator
-from harness.bench._table import underlined
+from harness.bench.support.tables import underlined
 from harness.engine import build_engine
 from harness.engine.ngram import ngram_lookup
 from harness.engine.sampling_params import SamplingParams

@@ -33,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from harness.analysis.metrics import acceptance_rate, steps_frame
 from harness.cli.config import validate
 from harness.cli.replay import replay
-from harness.cli.run import CONFIG_DIR, _build
+from harness.cli.run import CONFIG_DIR
+from harness.cli.run import build_component as _build
 from harness.costmodel import profile as profiles
 from harness.costmodel.features import FEATURES, from_step
 from harness.costmodel.fit import fit_kinds

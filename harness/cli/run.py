@@ -103,14 +103,16 @@ def run(
     try:  # everything here checks input: its errors name the setting, not a code path
         trace, sampling = check(cfg)
         out.mkdir(parents=True, exist_ok=True)
-        model = _build(cfg.model)
+        model = build_component(cfg.model)
         check_trace(trace, model.vocab_size)
-        speculative = _build(cfg.speculative) if cfg.get("speculative") is not None else None
+        speculative = (
+            build_component(cfg.speculative) if cfg.get("speculative") is not None else None
+        )
         build = partial(
-            _build(cfg.engine),
+            build_component(cfg.engine),
             model,
-            _build(cfg.allocator),
-            _build(cfg.scheduler),
+            build_component(cfg.allocator),
+            build_component(cfg.scheduler),
             speculative=speculative,
         )
         engine = build()
@@ -196,7 +198,7 @@ def check(cfg: DictConfig) -> tuple[Trace, Callable[..., SamplingParams]]:
     sampling values; return the trace and the sampling partial. Raises ``ConfigError``, a
     component's ``ValueError`` or ``OSError`` naming the setting."""
     validate(cfg)
-    trace = _build(cfg.trace.generator)
+    trace = build_component(cfg.trace.generator)
     if not len(trace):
         raise ValueError(f"the trace has no requests ({_empty_trace_knobs(cfg)}): nothing to run")
     if cfg.engine.get("clock") == "model" and not all(r.ignore_eos for r in trace):
@@ -204,7 +206,7 @@ def check(cfg: DictConfig) -> tuple[Trace, Callable[..., SamplingParams]]:
             "the trace lets the model's EOS end its answers (a real model's own lengths), and "
             "engine.clock=model runs no model: replay it with engine.clock=virtual"
         )
-    sampling = _build(cfg.sampling)
+    sampling = build_component(cfg.sampling)
     try:  # bad values fail now, naming the key (min_tokens against the shortest request)
         sampling(max_tokens=min(r.max_tokens for r in trace), ignore_eos=True)
     except SamplingParamsError as e:
@@ -246,7 +248,7 @@ def warm_up(
         engine.step()
 
 
-def _build(node: DictConfig) -> Any:
+def build_component(node: DictConfig) -> Any:
     """``instantiate``, re-raising the component's own error (TraceError, ValueError naming
     the setting) rather than Hydra's wrapper around it."""
     try:

@@ -27,7 +27,10 @@ engine.profile=PATH``). It is JSON, schema ``kvbench-profile`` version 1:
     created              ISO time it was written
 
 A measured profile prices a step as ``moves . counts + kinds[kind] . (1, counts)``: linear
-per step kind, so piecewise-linear over the step's mix of prefill and decode.
+per step kind, so piecewise-linear over the step's mix of prefill and decode. A roofline
+profile (``RooflineProfile``) prices each operator by the slower of its FLOPs and its bytes at
+the stored rates; roofline.py derives the file from a device sheet and imports this module,
+never the other way.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ from harness.costmodel.features import FEATURES, KINDS, StepFeatures
 FORMAT, VERSION = "kvbench-profile", 1
 MOVES = ("block_copies", "swap_blocks")  # priced per block, whatever the step's kind
 INTERCEPT = "step"
+# A roofline profile's resources (FLOPs, bytes, bytes over the host link) and the counts an
+# operator may be priced by: the step's features, and the padded batches that run the LM
+# head (a batch of prefill chunks that want no logits skips it).
+RESOURCES = ("compute", "memory", "host_link")
+COUNTS = (*FEATURES, "logit_groups")
 
 
 class ProfileError(ValueError):
@@ -103,6 +111,58 @@ class MeasuredProfile:
         return cost + sum(c * x for c, x in zip(self._moves, moves, strict=True))
 
 
+class RooflineProfile:
+    """A derived profile: per operator, the slower of its compute and its memory traffic
+    (module docstring). It prices from ``data`` alone, so a saved file predicts alike."""
+
+    kind = "roofline"
+
+    def __init__(self, path: str, data: dict[str, Any]):
+        self.path = path
+        self.data = data
+        fix = "re-derive it with python -m harness.costmodel.roofline"
+        section = data.get("roofline")
+        if not isinstance(section, dict):
+            raise ProfileError(f"{path}: field 'roofline' is missing; {fix}")
+        try:
+            rates = {r: section["peak"][r] * section["efficiency"][r] for r in RESOURCES}
+            self._overhead = section["overhead"]["step"], section["overhead"]["rows"]
+            # name -> resource -> (rate, [(count, amount per unit)])
+            self._operators = {
+                name: {r: (rates[r], list(per.items())) for r, per in op.items()}
+                for name, op in section["operators"].items()
+            }
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ProfileError(f"{path}: field 'roofline' is malformed ({e!r}); {fix}") from None
+        for name, op in self._operators.items():
+            unknown = {k for _, per in op.values() for k, _ in per} - set(COUNTS)
+            if unknown:
+                raise ProfileError(
+                    f"{path}: roofline.operators.{name} prices {sorted(unknown)}: counts are "
+                    f"{list(COUNTS)}"
+                )
+
+    def times(self, work: StepFeatures) -> dict[str, dict[str, float]]:
+        """Each operator's seconds on each resource it uses: the roofline's bars."""
+        counts = dict(zip(FEATURES, work.vector(), strict=True))
+        counts["logit_groups"] = min(work.groups, work.logits)
+        return {
+            name: {r: sum(a * counts[k] for k, a in per) / rate for r, (rate, per) in op.items()}
+            for name, op in self._operators.items()
+        }
+
+    def predict(self, work: StepFeatures) -> float:
+        """The step's seconds: its host overhead plus, per operator, its slowest resource."""
+        if work.draft_rounds and "draft" not in self._operators:
+            raise ProfileError(
+                f"{self.path}: a verify step runs the draft model, which this profile does "
+                "not price; derive it with the draft's shape (derive(draft=...), --draft)"
+            )
+        step, per_row = self._overhead
+        bars = self.times(work).values()
+        return step + per_row * work.rows + sum(max(t.values()) for t in bars)
+
+
 _HOW = {
     "decode": "kvbench-calibrate runs decode steps by default",
     "prefill": "kvbench-calibrate runs prefill steps by default",
@@ -134,8 +194,6 @@ def load(path: str | os.PathLike) -> Profile:
         if name not in data:
             raise ProfileError(f"{where}: field {name!r} is missing; re-run kvbench-calibrate")
     if data["kind"] == "roofline":
-        from harness.costmodel.roofline import RooflineProfile  # it imports this module
-
         return RooflineProfile(where, data)
     if data["kind"] != "measured":
         raise ProfileError(f"{where}: field 'kind' is {data['kind']!r}: measured or roofline")

@@ -5,7 +5,7 @@ Model Insights"): each operator of the forward is bound by compute or by memory 
 takes ``max(FLOPs / peak FLOP/s, bytes / bandwidth)``; a step takes the sum over its
 operators. ``derive`` writes each operator's FLOPs and bytes per unit of the step's counts
 (harness/costmodel/features.py) into the profile, with the device's peaks
-(harness/costmodel/devices.yaml); ``RooflineProfile.predict`` needs nothing but that.
+(harness/costmodel/devices.yaml); ``profile.RooflineProfile.predict`` needs nothing but that.
 
 With d = head_dim, b = bytes per value, L = layers, and the layers' sizes, per step:
 
@@ -48,10 +48,16 @@ from typing import Any
 import yaml
 
 from harness.costmodel.features import FEATURES, StepFeatures
-from harness.costmodel.profile import FORMAT, VERSION, ProfileError, fingerprint, save
+from harness.costmodel.profile import (
+    FORMAT,
+    RESOURCES,
+    VERSION,
+    RooflineProfile,
+    fingerprint,
+    save,
+)
 
 DEVICES_FILE = Path(__file__).with_name("devices.yaml")
-RESOURCES = ("compute", "memory", "host_link")  # FLOPs, bytes, bytes over the host link
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 PEAK_KEY = {4: "fp32", 2: "fp16"}  # devices.yaml's peak_flops key by value width
 # a shape's sizes, in the order _sizes returns them
@@ -64,9 +70,6 @@ SIZE_KEYS = (
     "intermediate_size",
     "vocab_size",
 )
-# Counts an operator may be priced by: the step's features, and the padded batches that
-# run the LM head (a batch of prefill chunks that want no logits skips it).
-COUNTS = (*FEATURES, "logit_groups")
 
 
 def devices() -> dict[str, dict[str, Any]]:
@@ -237,58 +240,6 @@ def _operators(shape: dict[str, Any], b: int, block_size: int) -> dict[str, dict
     operators["block_copies"] = {"memory": {"block_copies": 2 * block}}
     operators["swaps"] = {"host_link": {"swap_blocks": block}}
     return operators
-
-
-class RooflineProfile:
-    """A derived profile: per operator, the slower of its compute and its memory traffic
-    (module docstring). It prices from ``data`` alone, so a saved file predicts alike."""
-
-    kind = "roofline"
-
-    def __init__(self, path: str, data: dict[str, Any]):
-        self.path = path
-        self.data = data
-        fix = "re-derive it with python -m harness.costmodel.roofline"
-        section = data.get("roofline")
-        if not isinstance(section, dict):
-            raise ProfileError(f"{path}: field 'roofline' is missing; {fix}")
-        try:
-            rates = {r: section["peak"][r] * section["efficiency"][r] for r in RESOURCES}
-            self._overhead = section["overhead"]["step"], section["overhead"]["rows"]
-            # name -> resource -> (rate, [(count, amount per unit)])
-            self._operators = {
-                name: {r: (rates[r], list(per.items())) for r, per in op.items()}
-                for name, op in section["operators"].items()
-            }
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ProfileError(f"{path}: field 'roofline' is malformed ({e!r}); {fix}") from None
-        for name, op in self._operators.items():
-            unknown = {k for _, per in op.values() for k, _ in per} - set(COUNTS)
-            if unknown:
-                raise ProfileError(
-                    f"{path}: roofline.operators.{name} prices {sorted(unknown)}: counts are "
-                    f"{list(COUNTS)}"
-                )
-
-    def times(self, work: StepFeatures) -> dict[str, dict[str, float]]:
-        """Each operator's seconds on each resource it uses: the roofline's bars."""
-        counts = dict(zip(FEATURES, work.vector(), strict=True))
-        counts["logit_groups"] = min(work.groups, work.logits)
-        return {
-            name: {r: sum(a * counts[k] for k, a in per) / rate for r, (rate, per) in op.items()}
-            for name, op in self._operators.items()
-        }
-
-    def predict(self, work: StepFeatures) -> float:
-        """The step's seconds: its host overhead plus, per operator, its slowest resource."""
-        if work.draft_rounds and "draft" not in self._operators:
-            raise ProfileError(
-                f"{self.path}: a verify step runs the draft model, which this profile does "
-                "not price; derive it with the draft's shape (derive(draft=...), --draft)"
-            )
-        step, per_row = self._overhead
-        bars = self.times(work).values()
-        return step + per_row * work.rows + sum(max(t.values()) for t in bars)
 
 
 def decode_step(batch: int, context: int, block_size: int) -> StepFeatures:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from harness.workload.distributions import ArrivalProcess
-from harness.workload.generators import _describe, _make_trace
+from harness.workload.generators import describe_component, make_trace
 from harness.workload.traces import Trace, TraceRequest
 
 PROMPTS_FILE = Path(__file__).parent / "data" / "chat_prompts.json"
@@ -102,7 +102,7 @@ def chat(
             )
     params = {
         "num_conversations": num_conversations,
-        "arrival": _describe(arrival),
+        "arrival": describe_component(arrival),
         "tokenizer": tokenizer,
         "max_tokens": max_tokens,
         "turns": turns,
@@ -110,7 +110,7 @@ def chat(
         "shared_system_prompt": shared_system_prompt,
         "prompt_set": PROMPTS_FILE.name,
     }
-    return _make_trace(requests, "chat", params, seed, len(tok))
+    return make_trace(requests, "chat", params, seed, len(tok))
 
 
 _EOS = {"ignore_eos": False}  # the model's own EOS ends each answer

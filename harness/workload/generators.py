@@ -18,7 +18,8 @@ from harness.workload.public import Record, hashed_trace
 from harness.workload.traces import Trace, TraceRequest, max_prefix_hit_rate, token_tuples
 
 
-def _describe(component: Any) -> Any:
+def describe_component(component: Any) -> Any:
+    """A distribution or arrival process (a dataclass) as trace metadata: its type and fields."""
     return {"type": type(component).__name__, **asdict(component)}
 
 
@@ -30,13 +31,14 @@ def _random_prompts(
     return token_tuples(rng.integers(1, vocab_size, sum(lengths)), lengths, vocab_size)
 
 
-def _make_trace(
+def make_trace(
     requests: list[TraceRequest],
     generator: str,
     params: dict[str, Any],
     seed: int,
     vocab_size: int,
 ) -> Trace:
+    """The generator's ``requests`` as a Trace with the metadata every generator records."""
     # by arrival (stable: ties keep order); follow-up turns after, in the order given, their
     # arrival_time a think time from the end of the turn before (TraceRequest.after)
     firsts = sorted((r for r in requests if r.after is None), key=lambda r: r.arrival_time)
@@ -94,13 +96,13 @@ def synthetic(
         )
     params = {
         "num_requests": num_requests,
-        "arrival": _describe(arrival),
-        "prompt_len": _describe(prompt_len),
-        "output_len": _describe(output_len),
+        "arrival": describe_component(arrival),
+        "prompt_len": describe_component(prompt_len),
+        "output_len": describe_component(output_len),
         "priorities": [{"priority": p, "weight": w} for p, w in classes],
         "slos": {str(p): {"ttft": t, "tpot": s} for p, (t, s) in slo_of.items()},
     }
-    return _make_trace(requests, "synthetic", params, seed, vocab_size)
+    return make_trace(requests, "synthetic", params, seed, vocab_size)
 
 
 def shared_prefix(
@@ -143,11 +145,11 @@ def shared_prefix(
         "num_system_prompts": num_system_prompts,
         "users_per_prompt": users_per_prompt,
         "system_prompt_len": system_prompt_len,
-        "user_prompt_len": _describe(user_prompt_len),
-        "output_len": _describe(output_len),
-        "arrival": _describe(arrival),
+        "user_prompt_len": describe_component(user_prompt_len),
+        "output_len": describe_component(output_len),
+        "arrival": describe_component(arrival),
     }
-    return _make_trace(requests, "shared_prefix", params, seed, vocab_size)
+    return make_trace(requests, "shared_prefix", params, seed, vocab_size)
 
 
 def multi_turn(
@@ -190,12 +192,12 @@ def multi_turn(
     params = {
         "num_conversations": num_conversations,
         "turns": turns,
-        "user_prompt_len": _describe(user_prompt_len),
-        "output_len": _describe(output_len),
-        "arrival": _describe(arrival),
+        "user_prompt_len": describe_component(user_prompt_len),
+        "output_len": describe_component(output_len),
+        "arrival": describe_component(arrival),
         "think_time": think_time,
     }
-    return _make_trace(requests, "multi_turn", params, seed, vocab_size)
+    return make_trace(requests, "multi_turn", params, seed, vocab_size)
 
 
 def mooncake_like(
@@ -255,13 +257,13 @@ def mooncake_like(
     records.sort(key=lambda r: r.arrival)
     params = {
         "num_requests": num_requests,
-        "arrival": _describe(arrival),
+        "arrival": describe_component(arrival),
         "hash_block": hash_block,
         "num_system_prompts": num_system_prompts,
         "system_blocks": system_blocks,
         "turns": turns,
-        "user_blocks": _describe(user_blocks),
-        "output_len": _describe(output_len),
+        "user_blocks": describe_component(user_blocks),
+        "output_len": describe_component(output_len),
         "think_time": think_time,
         "seed": seed,
     }

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from matplotlib.collections import PolyCollection
 
-from harness.analysis import report, results
+from harness.analysis import metrics, plots, report, results
 
 LABELS = [
     "allocator=free_list,trace.rate=4",
@@ -36,7 +36,7 @@ def sweep(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(sweep: Path) -> pd.DataFrame:
-    return report.runs(sweep)
+    return plots.runs(sweep)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +66,9 @@ def test_report_writes_every_figure_and_links_each(sweep: Path, page: Path) -> N
 
 
 def test_latency_cdfs_hold_each_runs_samples(runs: pd.DataFrame) -> None:
-    fig = report.latency_cdfs(runs)
+    fig = plots.latency_cdfs(runs)
     assert legend_texts(fig) == LABELS
-    assert [ax.get_xlabel() for ax in fig.axes] == [x for _, x, _ in report.LATENCY_AXES]
+    assert [ax.get_xlabel() for ax in fig.axes] == [x for _, x, _ in plots.LATENCY_AXES]
     for ax, name in zip(fig.axes, ("ttft", "tpot", "itl"), strict=True):
         lines = ax.get_lines()
         assert [line.get_label() for line in lines] == LABELS
@@ -81,7 +81,7 @@ def test_latency_cdfs_hold_each_runs_samples(runs: pd.DataFrame) -> None:
 
 
 def test_load_curves_one_line_per_allocator_against_rate(runs: pd.DataFrame) -> None:
-    fig = report.load_curves(runs)
+    fig = plots.load_curves(runs)
     assert legend_texts(fig) == ["allocator=free_list", "allocator=radix"]
     for ax, key, scale in zip(
         fig.axes, ("output_throughput", "ttft_p99", "goodput"), (1, 1e3, 1), strict=True
@@ -95,18 +95,18 @@ def test_load_curves_one_line_per_allocator_against_rate(runs: pd.DataFrame) -> 
 
 def test_load_curves_need_a_rate_dimension(runs: pd.DataFrame) -> None:
     one_rate = runs[runs["trace.rate"] == 4]
-    assert not report.has_rate_dimension(one_rate)
+    assert not plots.has_rate_dimension(one_rate)
     with pytest.raises(ValueError, match="trace.rate"):
-        report.load_curves(one_rate)
+        plots.load_curves(one_rate)
 
 
 def test_load_curves_leave_out_an_infinite_rate(runs: pd.DataFrame) -> None:
     """Overrides come back as ints and the string "inf" (all at t=0): inf has no place on the
     axis, and one finite rate is no curve."""
     mixed = runs.assign(**{"trace.rate": [4, "inf", 4, "inf"]})
-    assert not report.has_rate_dimension(mixed)
+    assert not plots.has_rate_dimension(mixed)
     three = pd.concat([runs, mixed[mixed["trace.rate"] == "inf"]], ignore_index=True)
-    fig = report.load_curves(three)
+    fig = plots.load_curves(three)
     for line in fig.axes[0].get_lines():
         assert list(line.get_xdata()) == [4.0, 16.0]
 
@@ -115,11 +115,11 @@ def test_pareto_front_keeps_the_points_nothing_beats() -> None:
     x = np.array([1.0, 2.0, 3.0, 2.0, 0.5, 3.0])
     y = np.array([5.0, 4.0, 1.0, 3.0, 5.0, 0.5])
     # (2, 3) is beaten by (2, 4), (0.5, 5) by (1, 5), (3, 0.5) by (3, 1): ties do not count
-    assert list(report.pareto_front(x, y)) == [0, 1, 2]
+    assert list(plots.pareto_front(x, y)) == [0, 1, 2]
 
 
 def test_pareto_plots_every_run_and_circles_its_front(runs: pd.DataFrame) -> None:
-    fig = report.pareto(runs)
+    fig = plots.pareto(runs)
     (ax,) = fig.axes
     *points, front = ax.get_lines()
     assert legend_texts(fig) == [*LABELS, "Pareto front"]
@@ -136,7 +136,7 @@ def test_pareto_plots_every_run_and_circles_its_front(runs: pd.DataFrame) -> Non
 
 
 def test_kv_timeline_stacks_each_runs_blocks_up_to_the_arena(runs: pd.DataFrame) -> None:
-    fig = report.kv_timeline(runs)
+    fig = plots.kv_timeline(runs)
     assert [ax.get_title() for ax in fig.axes] == LABELS
     assert legend_texts(fig) == ["used", "cached", "free"]
     for ax, run in zip(fig.axes, runs.itertuples(), strict=True):
@@ -151,12 +151,12 @@ def test_kv_timeline_stacks_each_runs_blocks_up_to_the_arena(runs: pd.DataFrame)
 
 
 def test_kv_breakdown_stacks_the_five_parts_per_run(runs: pd.DataFrame) -> None:
-    fig = report.kv_breakdown(runs)
+    fig = plots.kv_breakdown(runs)
     (ax,) = fig.axes
-    assert legend_texts(fig) == [report.KV_NAMES[p] for p in report.KV_PARTS]
+    assert legend_texts(fig) == [plots.KV_NAMES[p] for p in metrics.KV_PARTS]
     assert [t.get_text().replace("\n", "") for t in ax.get_yticklabels()] == LABELS
     total = np.zeros(len(runs))
-    for bars, part in zip(ax.containers, report.KV_PARTS, strict=True):
+    for bars, part in zip(ax.containers, metrics.KV_PARTS, strict=True):
         widths = np.array([b.get_width() for b in bars])
         assert widths == pytest.approx(runs[f"kv_{part}_frac_mean"].to_numpy() * 100)
         total += widths
@@ -164,7 +164,7 @@ def test_kv_breakdown_stacks_the_five_parts_per_run(runs: pd.DataFrame) -> None:
 
 
 def test_reuse_and_preemption_bars_and_trace_bounds(runs: pd.DataFrame) -> None:
-    fig = report.reuse_and_preemption(runs)
+    fig = plots.reuse_and_preemption(runs)
     hits, preempt = fig.axes  # no speculation in this sweep: no acceptance panels
     (hit_bars,) = hits.containers
     assert [b.get_width() for b in hit_bars] == pytest.approx(list(runs["prefix_hit_rate"] * 100))
@@ -183,7 +183,7 @@ def test_speculation_panels_show_only_runs_that_verified_drafts(runs: pd.DataFra
         spec_acceptance_rate=[math.nan, 0.8, math.nan, 0.5],
         spec_tokens_per_verification=[math.nan, 3.2, math.nan, 2.0],
     )
-    fig = report.reuse_and_preemption(spec)
+    fig = plots.reuse_and_preemption(spec)
     alpha, tokens = fig.axes[2:]
     (alpha_bars,) = alpha.containers
     assert [(b.get_y() + b.get_height() / 2, b.get_width()) for b in alpha_bars] == [

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY
 
-from harness.analysis import compare, report, results
+from harness.analysis import compare, plots, results
 from harness.cli.load_sweep import RECORD_FILE, jobs, main, spread_rates, sweep
 
 
@@ -70,7 +70,7 @@ def test_a_tiny_load_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
     table = compare.table(folder)  # the sweep folder reads like any other
     assert table[compare.RUN].tolist() == [f"trace.rate={r}" for r in record["rates"]]
-    assert report.has_rate_dimension(report.runs(folder))
+    assert plots.has_rate_dimension(plots.runs(folder))
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import regress
+from harness.cli import regress, regress_baseline, regress_suite
 from harness.engine import LLMEngine, model_runner
 
 WORK = ["--only", "work"]  # the deterministic figures: seconds to run, exact on any machine
@@ -24,7 +24,7 @@ def test_compare_names_only_figures_worse_than_their_tolerance():
         "work.mixed.calls_per_step": 504.0,  # 0.8 % more calls, tolerance 1 %
         "work.padding.decode": 1.0,
     }
-    checks = {c["figure"]: c for c in regress.compare_figures(figures, baseline)}
+    checks = {c["figure"]: c for c in regress_baseline.compare_figures(figures, baseline)}
     assert checks["work.mixed.query_padding"]["status"] == "regressed"
     assert checks["work.mixed.calls_per_step"]["status"] == "ok"
     assert checks["work.mixed.calls_per_step"]["limit"] == pytest.approx(505.0)
@@ -34,12 +34,12 @@ def test_compare_names_only_figures_worse_than_their_tolerance():
 def test_a_timed_figure_is_reported_and_never_gates_however_far_it_moves():
     baseline = {"engine.uniform": 1.0, "padding.prefill": 1.0}
     figures = {"engine.uniform": 0.01, "padding.prefill": 100.0}
-    for check in regress.compare_figures(figures, baseline):
+    for check in regress_baseline.compare_figures(figures, baseline):
         assert check["status"] == "timed" and check["limit"] is None, check
 
 
 def test_better_than_the_baseline_never_regresses():
-    for figure in regress.FIGURES.values():
+    for figure in regress_suite.FIGURES.values():
         if figure.gates:
             better = 10.0 if figure.better == "higher" else 0.1
             assert not figure.regressed(better, 1.0), figure.name
@@ -49,8 +49,8 @@ def test_better_than_the_baseline_never_regresses():
 def test_every_gating_figure_is_a_count_a_call_count_or_priced():
     """Timed figures move with load (two suites at once halve a ratio), so none gates; the
     policy figures are priced by a profile, not timed."""
-    gating = {f.name for f in regress.FIGURES.values() if f.gates}
-    assert gating == {n for n in regress.FIGURES if n.startswith(("work.", "policy."))} | {
+    gating = {f.name for f in regress_suite.FIGURES.values() if f.gates}
+    assert gating == {n for n in regress_suite.FIGURES if n.startswith(("work.", "policy."))} | {
         "sweep.prefix_hit_rate"
     }
 
@@ -195,14 +195,14 @@ def test_the_policy_figures_repeat_exactly_with_two_busy_processes_beside_them(t
     """Priced by the committed profile, the policies' latencies, throughput, preemptions and
     hit rates are the same quiet and under load, and the committed baseline's (this
     machine's; they are the same on any platform, so linux-x86_64's serves every one)."""
-    quiet = regress.policy_figures(tmp_path / "quiet")
+    quiet = regress_suite.policy_figures(tmp_path / "quiet")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        loaded = regress.policy_figures(tmp_path / "loaded")
+        loaded = regress_suite.policy_figures(tmp_path / "loaded")
     finally:
         for p in busy:
             p.kill()
     assert loaded == quiet
-    committed = json.loads((regress.BASELINES / "linux-x86_64.json").read_text())
+    committed = json.loads((regress_suite.BASELINES / "linux-x86_64.json").read_text())
     for name, value in quiet.items():
-        assert value == pytest.approx(committed["figures"][name], rel=regress.PRICED), name
+        assert value == pytest.approx(committed["figures"][name], rel=regress_suite.PRICED), name

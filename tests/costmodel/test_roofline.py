@@ -8,9 +8,8 @@ from dataclasses import replace
 import pytest
 
 from harness.costmodel.features import FEATURES, StepFeatures
-from harness.costmodel.profile import ProfileError, fingerprint, load, save
+from harness.costmodel.profile import ProfileError, RooflineProfile, fingerprint, load, save
 from harness.costmodel.roofline import (
-    RooflineProfile,
     decode_step,
     derive,
     devices,

@@ -1,9 +1,10 @@
 """The benchmarks' components come from conf/'s groups, as kvbench runs' do: ``_target_`` is the
 one registry, so a benchmark names conf options (``allocator=buddy``, ``model=small``) and
-``build``s what the composed config describes.
+builds what the composed config describes with ``harness.cli.run.build_component`` (kvbench's
+instantiate: a component's own error, naming the setting, not Hydra's wrapper).
 
     cfg = compose_config(["allocator=buddy", "scheduler=fcfs", "scheduler.max_num_seqs=8"])
-    build_engine(model, build(cfg.allocator), build(cfg.scheduler), ...)
+    build_engine(model, build_component(cfg.allocator), build_component(cfg.scheduler), ...)
 """
 
 from __future__ import annotations
@@ -14,11 +15,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-# kvbench's instantiate: a component's own error (naming the setting), not Hydra's wrapper.
 from harness.cli.run import CONFIG_DIR
-from harness.cli.run import _build as build
-
-__all__ = ["ALLOCATORS", "build", "compose_config", "options"]
 
 # One conf/allocator/ option per allocator class (the other contiguous_* options are
 # contiguous's reservation policies), in the order the benchmarks print them.

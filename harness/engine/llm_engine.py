@@ -26,14 +26,15 @@ import mlx.core as mx
 import numpy as np
 
 from allocators.base import BlockAllocator
+from harness.costmodel.work import StepWork
 from harness.engine.beam_search import BeamGroup
 from harness.engine.clock import Clock, VirtualClock
 from harness.engine.forks import Forks
 from harness.engine.intake import Intake, Params
 from harness.engine.kv_cache import UNQUANTIZED, HostBlocks, KVArena, KVFormat
 from harness.engine.kv_files import KVFiles
-from harness.engine.model_runner import Forward, ModelRunner, Row, Runner, Work
-from harness.engine.modelled import step_features
+from harness.engine.model_runner import Forward, ModelRunner, Row, Runner
+from harness.engine.modelled import step_work
 from harness.engine.outputs import Outputs, prompt_positions
 from harness.engine.pipeline import Pipelined
 from harness.engine.recorder import Recorder
@@ -250,8 +251,8 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             forward = self.runner.forward(self._rows(plan), self._inflight_tokens)
         # The step's work, priced by a model clock (a measuring clock ignores it).
         drafted = self.proposer is not None and self.proposer.runs_model
-        features = step_features(plan, forward.work if forward else Work(), drafted)
-        self.clock.charge(features)
+        work = step_work(plan, forward.work if forward else StepWork(), drafted)
+        self.clock.charge(work)
         if forward is not None:
             if pipelined and forward.logits is not None:
                 tokens = mx.argmax(forward.logits, axis=-1)
@@ -281,8 +282,7 @@ class LLMEngine(Intake, Outputs, Forks, Pipelined, KVFiles):
             build_time=forward.build_time if forward else 0.0,
             swap_time=swap_time,
             verifications=self._verifications,
-            work=forward.work if forward else None,
-            features=features,
+            work=work,
         )
         return outputs
 

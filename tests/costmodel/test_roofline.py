@@ -18,6 +18,8 @@ from harness.costmodel.roofline import (
     prefill_step,
     shape_of,
 )
+from harness.costmodel.work import StepWork
+from harness.engine.modelled import ModelClock
 
 A100_FP16, A100_FP32, A100_BW, A100_PCIE = 312.0e12, 19.5e12, 2.039e12, 32.0e9
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -254,3 +256,29 @@ def test_malformed_roofline_section_is_a_profile_error(tmp_path):
     save(data, tmp_path / "bad.json")
     with pytest.raises(ProfileError, match="'roofline'"):
         load(tmp_path / "bad.json")
+
+
+def test_the_model_clock_prices_a_step_s_work_as_the_roofline_prices_its_counts():
+    """The model clock hands a roofline profile the step's work as the counts roofline.py
+    names (copies and swaps summed over the columns): the same price as those counts."""
+    data = derive(shape_of("small"), "m3-ultra", block_size=16, draft=shape_of("tiny"))
+    roofline = RooflineProfile("test", data)
+    work = StepWork(
+        batch_size=3,
+        row_groups=2,
+        query_tokens_padded=40,
+        attention_pairs=900,
+        kv_slots_read=96,
+        logit_rows=3,
+        single_token_rows=2,
+        block_copies=1,
+        draft_block_copies=2,
+        swap_out_blocks=4,
+        swap_in_blocks=1,
+        draft_rounds=4,
+        draft_tokens=9,
+    )
+    counts = StepFeatures(3, 2, 40, 900, 96, 3, 3, 5, 4, 9, single_token_rows=2)
+    clock = ModelClock(roofline)
+    clock.charge(work)
+    assert clock.advance(0.0) == roofline.predict(counts) > 0

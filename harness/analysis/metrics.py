@@ -57,7 +57,7 @@ STEP_SCHEMA: dict[str, str] = {
     "swap_in_blocks": "int",
     "swap_time": "float",  # host copies of swapped KV, synchronised
     "block_copies": "int",  # (src, dst) block copies of the step's plan
-    "row_groups": "int",  # padded batches of the forward (model_runner.Work)
+    "row_groups": "int",  # padded batches of the forward (costmodel.work.StepWork)
     "query_tokens_padded": "int",  # query positions computed, padding included
     "kv_slots_read": "int",  # KV slots gathered per layer and KV head, padding included
     "kv_slots_attended": "int",  # the rows' contexts, no padding

@@ -49,8 +49,8 @@ from harness.bench.support.tables import format_table
 from harness.cli.calibrate import PROFILE_FILE, calibrate
 from harness.cli.run import CONFIG_DIR
 from harness.cli.run import run as run_experiment
-from harness.costmodel.features import from_step
 from harness.costmodel.profile import Profile, load
+from harness.costmodel.work import StepWork
 
 SCENARIOS: dict[str, list[str]] = {
     "poisson": ["trace=poisson", "trace.rate=8"],
@@ -122,7 +122,7 @@ def validate(size: str, scenarios: list[str], requests: int, out: Path) -> list[
 def priced_error(steps: pd.DataFrame, profile: Profile) -> float:
     """The profile's price of a real run's steps (a steps table: each step's counts, its
     measured ``duration``) over their measured total, minus 1."""
-    priced = sum(profile.predict(from_step(row)) for row in steps.to_dict("records"))
+    priced = sum(profile.predict(StepWork.from_row(row)) for row in steps.to_dict("records"))
     return priced / steps["duration"].sum() - 1
 
 

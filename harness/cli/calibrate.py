@@ -36,8 +36,8 @@ from harness.cli.replay import replay
 from harness.cli.run import CONFIG_DIR
 from harness.cli.run import build_component as _build
 from harness.costmodel import profile as profiles
-from harness.costmodel.features import FEATURES, from_step
 from harness.costmodel.fit import fit_kinds
+from harness.costmodel.work import PRICED, StepWork
 from harness.engine import LLMEngine
 from harness.platform import machine
 from harness.workload.traces import Trace, TraceRequest
@@ -171,7 +171,7 @@ def calibrate(cfg: DictConfig, out: Path) -> dict[str, Any]:
     moves = time_moves(engine, grid)
     steps = steps_frame([{k: v for k, v in r.items() if k != "cell"} for r in rows])
     steps["cell"] = [r["cell"] for r in rows]
-    measured = [(from_step(r), r["duration"]) for r in steps.to_dict("records")]
+    measured = [(StepWork.from_row(r), r["duration"]) for r in steps.to_dict("records")]
     alpha = acceptance_rate(steps)
     data = {
         "format": profiles.FORMAT,
@@ -180,7 +180,7 @@ def calibrate(cfg: DictConfig, out: Path) -> dict[str, Any]:
         "model": (shape := model.shape()) | {"fingerprint": profiles.fingerprint(shape)},
         "block_size": engine.allocator.block_size,
         "machine": machine.info(),
-        "features": list(FEATURES),
+        "features": list(PRICED),
         "kinds": fit_kinds(measured, moves),
         "moves": moves,
         "acceptance_rate": None if np.isnan(alpha) else alpha,
@@ -209,7 +209,9 @@ def _run_cell(build, trace: Trace, policy, spec, repeats: int = 1) -> list[dict]
         replay(engine, trace, progress=False)
         runs.append(engine.recorder.steps)
     same = all(len(r) == len(runs[0]) for r in runs) and all(
-        from_step(a) == from_step(b) for r in runs[1:] for a, b in zip(runs[0], r, strict=True)
+        StepWork.from_row(a) == StepWork.from_row(b)
+        for r in runs[1:]
+        for a, b in zip(runs[0], r, strict=True)
     )
     if not same:
         return [step for r in runs for step in r]

@@ -1,5 +1,5 @@
 """Fitting a measured profile: per step kind, step durations as a non-negative linear
-function of the step's counts (harness/costmodel/features.py).
+function of the step's counts (harness/costmodel/work.py).
 
 Each kind's coefficients minimise the squared *relative* error (rows weighted by one over
 the measured duration), so short decode steps weigh as much as long prefills, under
@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from harness.costmodel.features import FEATURES, KINDS, StepFeatures
 from harness.costmodel.profile import INTERCEPT, MOVES
+from harness.costmodel.work import KINDS, PRICED, StepWork
 
 MIN_STEPS = 8  # fewer steps of a kind than this fit nothing
 OUTLIER_MADS = 4.0  # refit without steps this many deviations off the first fit
@@ -47,12 +47,12 @@ def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 200) -> np.ndarray:
 
 
 def fit_kinds(
-    steps: Iterable[tuple[StepFeatures, float]], moves: Mapping[str, float]
+    steps: Iterable[tuple[StepWork, float]], moves: Mapping[str, float]
 ) -> dict[str, dict]:
     """Per kind with at least ``MIN_STEPS`` steps: {"coefficients": {"step": intercept,
     feature: seconds per unit}, "residuals": ``residuals``}. Features that never vary within
     a kind (a decode's rows are its logits) are left at 0 and the others carry them."""
-    by_kind: dict[str, list[tuple[StepFeatures, float]]] = {}
+    by_kind: dict[str, list[tuple[StepWork, float]]] = {}
     for work, seconds in steps:
         by_kind.setdefault(work.kind, []).append((work, seconds))
     fitted = {}
@@ -64,7 +64,7 @@ def fit_kinds(
         moved = np.array([_moves(w, moves) for w, _ in rows])
         y = np.array([s for _, s in rows]) - moved
         coef = _robust_fit(x, y, y + moved)
-        names = (INTERCEPT, *FEATURES)
+        names = (INTERCEPT, *PRICED)
         predicted = x @ coef + moved
         fitted[kind] = {
             "coefficients": {n: float(c) for n, c in zip(names, coef, strict=True) if c > 0},
@@ -89,8 +89,9 @@ def _robust_fit(x: np.ndarray, y: np.ndarray, measured: np.ndarray) -> np.ndarra
     return coef
 
 
-def _moves(work: StepFeatures, moves: Mapping[str, float]) -> float:
-    return sum(moves.get(m, 0.0) * getattr(work, m) for m in MOVES)
+def _moves(work: StepWork, moves: Mapping[str, float]) -> float:
+    counts = work.vector()
+    return sum(moves.get(m, 0.0) * counts[PRICED.index(m)] for m in MOVES)
 
 
 def residuals(predicted: np.ndarray, measured: np.ndarray) -> dict[str, float]:

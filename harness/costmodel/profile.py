@@ -1,4 +1,4 @@
-"""Step-cost profiles: a step's duration from its work (harness/costmodel/features.py).
+"""Step-cost profiles: a step's duration from its work (harness/costmodel/work.py).
 
 A profile file is the contract between the machine that measured (or the device sheet that
 derived) the costs and any machine that replays with them (``engine.clock=model
@@ -13,7 +13,9 @@ engine.profile=PATH``). It is JSON, schema ``kvbench-profile`` version 1:
     block_size           the KV block size the work was counted at
     machine              where it was measured (harness/platform/machine.py ``info``) or the
                          device it was derived for
-    features             the priced counts, in order (features.FEATURES)
+    features             the priced counts, in order (work.PRICED: steps-table column
+                         names, but block_copies and swap_blocks, which are sums of two;
+                         a roofline profile's are the same, work.PRICED)
     kinds                per step kind: {"coefficients": {feature or "step": seconds per
                          unit}, "residuals": {...}} (measured); "step" is the intercept
     moves                seconds per block: {"block_copies": ..., "swap_blocks": ...}
@@ -40,10 +42,11 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Protocol
 
-from harness.costmodel.features import FEATURES, KINDS, StepFeatures
+from harness.costmodel.work import KINDS, PRICED, StepWork
 
 FORMAT, VERSION = "kvbench-profile", 1
 MOVES = ("block_copies", "swap_blocks")  # priced per block, whatever the step's kind
@@ -52,7 +55,7 @@ INTERCEPT = "step"
 # operator may be priced by: the step's features, and the padded batches that run the LM
 # head (a batch of prefill chunks that want no logits skips it).
 RESOURCES = ("compute", "memory", "host_link")
-COUNTS = (*FEATURES, "logit_groups")
+COUNTS = (*PRICED, "logit_groups")
 
 
 class ProfileError(ValueError):
@@ -66,7 +69,7 @@ class Profile(Protocol):
     kind: str
     data: dict[str, Any]
 
-    def predict(self, work: StepFeatures) -> float:
+    def predict(self, work: StepWork) -> float:
         """The step's duration in seconds."""
         ...
 
@@ -88,17 +91,18 @@ class MeasuredProfile:
     kind: str = "measured"
 
     def __post_init__(self) -> None:
-        # Rows of (intercept, coefficients in FEATURES order), per kind; moves apart.
+        # Rows of (intercept, coefficients in PRICED order), per kind; moves apart.
         self._moves = [self.data["moves"].get(m, 0.0) for m in MOVES]
+        self._moved = itemgetter(*(PRICED.index(m) for m in MOVES))  # of the priced counts
         self._kinds = {}
         for kind, fit in self.data["kinds"].items():
             c = fit["coefficients"]
-            self._kinds[kind] = (c.get(INTERCEPT, 0.0), [c.get(f, 0.0) for f in FEATURES])
+            self._kinds[kind] = (c.get(INTERCEPT, 0.0), [c.get(f, 0.0) for f in PRICED])
 
-    def predict(self, work: StepFeatures) -> float:
+    def predict(self, work: StepWork) -> float:
         kind = work.kind
         if kind == "idle" and kind not in self._kinds:  # no row ran: the moves alone
-            self._kinds[kind] = (0.0, [0.0] * len(FEATURES))
+            self._kinds[kind] = (0.0, [0.0] * len(PRICED))
         if kind not in self._kinds:
             raise ProfileError(
                 f"{self.path}: field 'kinds' has no {kind!r} steps; calibrate with a grid "
@@ -107,7 +111,7 @@ class MeasuredProfile:
         base, coefficients = self._kinds[kind]
         counts = work.vector()
         cost = base + sum(c * x for c, x in zip(coefficients, counts, strict=True))
-        moves = (work.block_copies, work.swap_blocks)
+        moves = self._moved(counts)
         return cost + sum(c * x for c, x in zip(self._moves, moves, strict=True))
 
 
@@ -142,16 +146,16 @@ class RooflineProfile:
                     f"{list(COUNTS)}"
                 )
 
-    def times(self, work: StepFeatures) -> dict[str, dict[str, float]]:
+    def times(self, work: StepWork) -> dict[str, dict[str, float]]:
         """Each operator's seconds on each resource it uses: the roofline's bars."""
-        counts = dict(zip(FEATURES, work.vector(), strict=True))
-        counts["logit_groups"] = min(work.groups, work.logits)
+        counts = dict(zip(PRICED, work.vector(), strict=True))
+        counts["logit_groups"] = min(work.row_groups, work.logit_rows)
         return {
             name: {r: sum(a * counts[k] for k, a in per) / rate for r, (rate, per) in op.items()}
             for name, op in self._operators.items()
         }
 
-    def predict(self, work: StepFeatures) -> float:
+    def predict(self, work: StepWork) -> float:
         """The step's seconds: its host overhead plus, per operator, its slowest resource."""
         if work.draft_rounds and "draft" not in self._operators:
             raise ProfileError(
@@ -160,7 +164,7 @@ class RooflineProfile:
             )
         step, per_row = self._overhead
         bars = self.times(work).values()
-        return step + per_row * work.rows + sum(max(t.values()) for t in bars)
+        return step + per_row * work.batch_size + sum(max(t.values()) for t in bars)
 
 
 _HOW = {
@@ -203,12 +207,12 @@ def load(path: str | os.PathLike) -> Profile:
     for kind, fit in data["kinds"].items():
         if kind not in KINDS:
             raise ProfileError(f"{where}: field 'kinds' has {kind!r}: kinds are {KINDS}")
-        known = {INTERCEPT, *FEATURES}
+        known = {INTERCEPT, *PRICED}
         unknown = set(fit.get("coefficients", {})) - known
         if unknown:
             raise ProfileError(
                 f"{where}: kinds.{kind}.coefficients has {sorted(unknown)}: features are "
-                f"{sorted(known)}"
+                f"{sorted(known)}; re-run kvbench-calibrate"
             )
     return MeasuredProfile(where, data)
 

@@ -4,7 +4,7 @@ The method is LLM-Viewer's (Yuan et al. 2024, "LLM Inference Unveiled: Survey an
 Model Insights"): each operator of the forward is bound by compute or by memory traffic and
 takes ``max(FLOPs / peak FLOP/s, bytes / bandwidth)``; a step takes the sum over its
 operators. ``derive`` writes each operator's FLOPs and bytes per unit of the step's counts
-(harness/costmodel/features.py) into the profile, with the device's peaks
+(harness/costmodel/work.py, ``PRICED``) into the profile, with the device's peaks
 (harness/costmodel/devices.yaml); ``profile.RooflineProfile.predict`` needs nothing but that.
 
 With d = head_dim, b = bytes per value, L = layers, and the layers' sizes, per step:
@@ -47,7 +47,6 @@ from typing import Any
 
 import yaml
 
-from harness.costmodel.features import FEATURES, StepFeatures
 from harness.costmodel.profile import (
     FORMAT,
     RESOURCES,
@@ -56,6 +55,7 @@ from harness.costmodel.profile import (
     fingerprint,
     save,
 )
+from harness.costmodel.work import PRICED, StepWork
 
 DEVICES_FILE = Path(__file__).with_name("devices.yaml")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -120,7 +120,7 @@ def derive(
         "model": {**shape, "fingerprint": fingerprint(shape)},
         "block_size": block_size,
         "machine": {"name": device, **sheet},
-        "features": list(FEATURES),
+        "features": list(PRICED),
         "roofline": {
             "method": "LLM-Viewer (Yuan et al. 2024): per operator max(FLOPs/peak, bytes/bw)",
             "dtype_bytes": width,
@@ -211,56 +211,63 @@ def _operators(shape: dict[str, Any], b: int, block_size: int) -> dict[str, dict
     }
     operators: dict[str, dict] = {
         name: {
-            "compute": {"query_tokens": 2 * n_in * n_out * layers},
+            "compute": {"query_tokens_padded": 2 * n_in * n_out * layers},
             "memory": {
-                "groups": n_in * n_out * b * layers,
-                "query_tokens": (n_in + n_out) * b * layers,
+                "row_groups": n_in * n_out * b * layers,
+                "query_tokens_padded": (n_in + n_out) * b * layers,
             },
         }
         for name, (n_in, n_out) in projections.items()
     }
     operators["lm_head"] = {
-        "compute": {"logits": 2 * h * vocab},
-        "memory": {"logit_groups": h * vocab * b, "logits": (h + vocab) * b},
+        "compute": {"logit_rows": 2 * h * vocab},
+        "memory": {"logit_groups": h * vocab * b, "logit_rows": (h + vocab) * b},
     }
     operators["attention"] = {
-        "compute": {"attention": 4 * d * heads * layers},
+        "compute": {"attention_pairs": 4 * d * heads * layers},
         "memory": {
-            "kv_read": 2 * kv_heads * d * b * layers,
+            "kv_slots_read": 2 * kv_heads * d * b * layers,
             # Q read, the output written, the new K and V written to the cache
-            "query_tokens": 2 * (heads + kv_heads) * d * b * layers,
+            "query_tokens_padded": 2 * (heads + kv_heads) * d * b * layers,
         },
     }
     # Per layer: two norms (read and write h), two residual adds (read 2h, write h), the
     # gated activation (read 2 x mlp, write mlp), RoPE on q and k (read and write); then the
     # final norm and the embedding gather (read and write h each).
     per_layer = 10 * h + 3 * mlp + 2 * (heads + kv_heads) * d
-    operators["elementwise"] = {"memory": {"query_tokens": (layers * per_layer + 4 * h) * b}}
+    operators["elementwise"] = {"memory": {"query_tokens_padded": (layers * per_layer + 4 * h) * b}}
     block = block_size * 2 * kv_heads * d * b * layers  # K and V of one block, every layer
     operators["block_copies"] = {"memory": {"block_copies": 2 * block}}
     operators["swaps"] = {"host_link": {"swap_blocks": block}}
     return operators
 
 
-def decode_step(batch: int, context: int, block_size: int) -> StepFeatures:
+def decode_step(batch: int, context: int, block_size: int) -> StepWork:
     """``batch`` decodes at ``context`` tokens each, as one padded batch."""
     keys = -(-context // block_size) * block_size
-    return StepFeatures(
-        rows=batch,
-        groups=1,
-        query_tokens=batch,
-        attention=batch * keys,
-        kv_read=batch * keys,
-        logits=batch,
+    return StepWork(
+        batch_size=batch,
+        row_groups=1,
+        query_tokens_padded=batch,
+        attention_pairs=batch * keys,
+        kv_slots_read=batch * keys,
+        kv_slots_attended=batch * context,
+        logit_rows=batch,
         single_token_rows=batch,
     )
 
 
-def prefill_step(tokens: int, block_size: int) -> StepFeatures:
+def prefill_step(tokens: int, block_size: int) -> StepWork:
     """One prompt of ``tokens`` from position 0, logits for its last position."""
     keys = -(-tokens // block_size) * block_size
-    return StepFeatures(
-        rows=1, groups=1, query_tokens=tokens, attention=tokens * keys, kv_read=keys, logits=1
+    return StepWork(
+        batch_size=1,
+        row_groups=1,
+        query_tokens_padded=tokens,
+        attention_pairs=tokens * keys,
+        kv_slots_read=keys,
+        kv_slots_attended=tokens,
+        logit_rows=1,
     )
 
 

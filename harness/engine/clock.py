@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from harness.costmodel.features import StepFeatures
+    from harness.costmodel.work import StepWork
 
 
 class Clock(Protocol):
@@ -22,7 +22,7 @@ class Clock(Protocol):
         """The time ``elapsed`` seconds after the current step began."""
         ...
 
-    def charge(self, work: StepFeatures) -> None:
+    def charge(self, work: StepWork) -> None:
         """The current step's work, for a clock that prices it rather than measures it."""
         ...
 
@@ -55,7 +55,7 @@ class VirtualClock:
     def after(self, elapsed: float) -> float:
         return self._now + elapsed
 
-    def charge(self, work: StepFeatures) -> None:
+    def charge(self, work: StepWork) -> None:
         pass
 
     def advance(self, duration: float) -> float:
@@ -81,7 +81,7 @@ class WallClock:
     def after(self, elapsed: float) -> float:
         return self.now()
 
-    def charge(self, work: StepFeatures) -> None:
+    def charge(self, work: StepWork) -> None:
         pass
 
     def advance(self, duration: float) -> float:

@@ -32,14 +32,15 @@ import mlx.core as mx
 import numpy as np
 
 from allocators.base import BlockAllocator
+from harness.costmodel.work import StepWork
 from harness.engine.beam_search import BeamGroup, BeamSearchParams
 from harness.engine.clock import Clock, VirtualClock
 from harness.engine.forks import Forks
 from harness.engine.host_kv import HostKV
 from harness.engine.intake import Params, RequestError, check_request, tokenize
 from harness.engine.kv_cache import UNQUANTIZED, KVArena, KVFormat
-from harness.engine.model_runner import Forward, ModelRunner, Row, Runner, Work
-from harness.engine.modelled import step_features
+from harness.engine.model_runner import Forward, ModelRunner, Row, Runner
+from harness.engine.modelled import step_work
 from harness.engine.outputs import OutputProcessor, prompt_positions
 from harness.engine.pipeline import Pipeline
 from harness.engine.recorder import Recorder
@@ -365,7 +366,7 @@ class LLMEngine:
         its logits, sample and hand the results to the scheduler; record the step. The clock
         advances by the step's measured duration (or its price, on a model clock)."""
         step = step or _Step(start)
-        forward, features = self._launch(plan, step, None)
+        forward, work = self._launch(plan, step, None)
         snapshot = self._snapshot(plan, step)
         outputs = []
         if forward is not None:
@@ -373,7 +374,7 @@ class LLMEngine:
             self.runner.wait([] if forward.logits is None else [forward.logits])
             step.waited += time.perf_counter() - waited
             outputs = self._postprocess(plan, forward, step)
-        self._record(plan, snapshot, now, swap_time, forward, features, step)
+        self._record(plan, snapshot, now, swap_time, forward, work, step)
         return outputs
 
     def _pipelined_step(
@@ -389,13 +390,13 @@ class LLMEngine:
             # A sequence that stopped on the token just read runs no more.
             plan = replace(plan, scheduled=[s for s in plan.scheduled if not s.seq.finished])
             return outputs + self._plain_step(plan, start, now, swap_time, step)
-        forward, features = self._launch(plan, step, pipeline.tokens, on_device=True)
+        forward, work = self._launch(plan, step, pipeline.tokens, on_device=True)
         snapshot = self._snapshot(plan, step)
         outputs = self._resolve(start, step)
         if forward is not None:
             pipeline.carry(plan, step.tokens)
             self._settle()
-        self._record(plan, snapshot, now, swap_time, forward, features, step)
+        self._record(plan, snapshot, now, swap_time, forward, work, step)
         return outputs
 
     def _resolve(self, start: float, step: _Step) -> list[RequestOutput]:
@@ -419,8 +420,8 @@ class LLMEngine:
             forward = self.runner.forward(self._rows(plan, step), carried)
         # The step's work, priced by a model clock (a measuring clock ignores it).
         drafted = self.proposer is not None and self.proposer.runs_model
-        features = step_features(plan, forward.work if forward else Work(), drafted)
-        self.clock.charge(features)
+        work = step_work(plan, forward.work if forward else StepWork(), drafted)
+        self.clock.charge(work)
         if forward is not None:
             if on_device and forward.logits is not None:
                 step.tokens = mx.argmax(forward.logits, axis=-1)
@@ -428,7 +429,7 @@ class LLMEngine:
             launched = time.perf_counter()
             self.runner.launch([] if wanted is None else [wanted])  # blocks on MLX's CPU build
             step.waited += time.perf_counter() - launched
-        return forward, features
+        return forward, work
 
     def _snapshot(self, plan: SchedulerOutput, step: _Step) -> dict | None:
         """The step's memory and queues, taken while its forward computes."""
@@ -436,7 +437,9 @@ class LLMEngine:
         proposed = {seq: len(p.tokens) for seq, p in step.proposals.items()}
         return self.recorder.snapshot(stats, plan, proposed)
 
-    def _record(self, plan, snapshot, now, swap_time, forward, features, step: _Step) -> None:
+    def _record(self, plan, snapshot, now, swap_time, forward, work, step: _Step) -> None:
+        """The step's row: the clock advances by its measured duration (or, on a model
+        clock, by the price of its ``work``)."""
         duration = self.clock.advance(time.perf_counter() - step.start)
         self.recorder.step(
             plan,
@@ -447,8 +450,7 @@ class LLMEngine:
             build_time=forward.build_time if forward else 0.0,
             swap_time=swap_time,
             verifications=step.verifications,
-            work=forward.work if forward else None,
-            features=features,
+            work=work,
         )
 
     def _idle(self, plan: SchedulerOutput, next_arrival: float | None) -> None:

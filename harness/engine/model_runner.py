@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol
 import mlx.core as mx
 import numpy as np
 
+from harness.costmodel.work import StepWork
 from harness.engine.kv_cache import BatchLayout, HostBlocks, KVArena, PagedKVCache
 from harness.engine.window import WindowGroup, WindowKVCache
 from harness.platform.models import LoadedModel
@@ -42,52 +43,30 @@ class Row(NamedTuple):
     ring: Sequence[int] = ()
 
 
-@dataclass(frozen=True)
-class Work:
-    """A forward's work as planned into padded batches: counts that no timing changes, the
-    same on any machine for the same rows. KV slots are per full-attention layer and KV head.
-
-    groups               padded batches (``group_rows``), each a pass over the weights
-    query_tokens_padded  query positions computed: each row padded to its group's longest
-    kv_slots_read        KV slots gathered: each row reads as many blocks as its group's
-                         longest context needs (``BatchLayout.num_read_blocks``), padding
-                         included
-    kv_slots_attended    the rows' contexts without padding: sum of start + tokens
-    attention_pairs      query-key pairs scored: a group's rows x padded queries x padded
-                         keys read, summed over groups
-    logit_rows           positions that get logits (the LM head's rows)
-    single_token_rows    rows that feed one token (decodes)
-    """
-
-    groups: int = 0
-    query_tokens_padded: int = 0
-    kv_slots_read: int = 0
-    kv_slots_attended: int = 0
-    attention_pairs: int = 0
-    logit_rows: int = 0
-    single_token_rows: int = 0
-
-    @classmethod
-    def of(cls, rows: Sequence[Row], groups: Sequence[Sequence[int]], block_size: int) -> Work:
-        """The work of ``rows`` run as the padded batches ``groups`` (row indices)."""
-        lengths = [len(r.tokens) for r in rows]
-        ends = [r.start + n for r, n in zip(rows, lengths, strict=True)]
-        queries = keys = pairs = 0
-        for g in groups:
-            q = max([lengths[i] for i in g])
-            k = -(-max([ends[i] for i in g]) // block_size) * block_size
-            queries += len(g) * q
-            keys += len(g) * k
-            pairs += len(g) * q * k
-        return cls(
-            groups=len(groups),
-            query_tokens_padded=queries,
-            kv_slots_read=keys,
-            kv_slots_attended=sum(ends),
-            attention_pairs=pairs,
-            logit_rows=sum(r.num_logits for r in rows),
-            single_token_rows=lengths.count(1),
-        )
+def forward_work(rows: Sequence[Row], groups: Sequence[Sequence[int]], block_size: int) -> StepWork:
+    """The forward's part of a step's work: ``rows`` run as the padded batches ``groups``
+    (row indices). Counts no timing changes, the same on any machine for the same rows
+    (harness/costmodel/work.py says what each one counts); each row reads as many blocks as
+    its group's longest context needs (``BatchLayout.num_read_blocks``)."""
+    lengths = [len(r.tokens) for r in rows]
+    ends = [r.start + n for r, n in zip(rows, lengths, strict=True)]
+    queries = keys = pairs = 0
+    for g in groups:
+        q = max([lengths[i] for i in g])
+        k = -(-max([ends[i] for i in g]) // block_size) * block_size
+        queries += len(g) * q
+        keys += len(g) * k
+        pairs += len(g) * q * k
+    return StepWork(
+        batch_size=len(rows),
+        row_groups=len(groups),
+        query_tokens_padded=queries,
+        kv_slots_read=keys,
+        kv_slots_attended=sum(ends),
+        attention_pairs=pairs,
+        logit_rows=sum(r.num_logits for r in rows),
+        single_token_rows=lengths.count(1),
+    )
 
 
 @dataclass
@@ -99,7 +78,7 @@ class Forward:
     logits: mx.array | None
     build_time: float  # building index arrays (Python + numpy)
     graph_time: float  # building the model's lazy graph
-    work: Work
+    work: StepWork  # the forward's part (``forward_work``)
     tokens: np.ndarray | None = None
 
 
@@ -166,7 +145,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         groups = group_rows(rows, self.key_cost)
         plans = [self._plan([rows[i] for i in g]) for g in groups]
-        work = Work.of(rows, groups, self.arena.block_size)
+        work = forward_work(rows, groups, self.arena.block_size)
         t1 = time.perf_counter()
         outputs: list[mx.array | None] = []
         for g, (inputs, layout, picks) in zip(groups, plans, strict=True):

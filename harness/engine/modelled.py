@@ -2,8 +2,8 @@
 
 The same LLMEngine, allocators, schedulers, recorder and metrics run; only what computes a
 step changes. ``ModelledRunner`` stands in for the model behind the ``Runner`` seam: it
-counts the step's work (``Work.of``, the same counts the real runner reports) and chooses
-the tokens, and ``ModelClock`` advances by the profile's price of that work
+counts the step's work (``forward_work``, the same counts the real runner reports) and
+chooses the tokens, and ``ModelClock`` advances by the profile's price of that work
 (harness/costmodel). Nothing is timed, so a replay gives the same tables on any machine,
 under any load.
 
@@ -20,30 +20,34 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from harness.costmodel.features import StepFeatures
 from harness.costmodel.profile import Profile
+from harness.costmodel.work import StepWork
 from harness.engine.clock import VirtualClock
-from harness.engine.model_runner import Forward, Row, Work, group_rows
+from harness.engine.model_runner import Forward, Row, forward_work, group_rows
 from harness.engine.speculative import Proposal, RowFor
 from schedulers.output import Scheduled, SchedulerOutput
 
 
-def step_features(plan: SchedulerOutput, work: Work, draft_model: bool = True) -> StepFeatures:
-    """The step's work as the cost model prices it: the forward's ``work`` and the plan's
-    block moves and draft work (none without a ``draft_model``: n-gram lookup)."""
+def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True) -> StepWork:
+    """The step's work: the ``forward``'s part (``Forward.work``; ``StepWork()`` when no row
+    ran) and the plan's block moves and draft work (none without a ``draft_model``: n-gram
+    lookup)."""
     drafts = [s for s in plan.scheduled if s.num_draft_tokens] if draft_model else []
-    return StepFeatures(
-        rows=len(plan.scheduled) if work.groups else 0,
-        groups=work.groups,
-        query_tokens=work.query_tokens_padded,
-        attention=work.attention_pairs,
-        kv_read=work.kv_slots_read,
-        logits=work.logit_rows,
-        block_copies=len(plan.copies) + len(plan.draft_copies),
-        swap_blocks=sum(len(s.blocks) for s in (*plan.swapped_out, *plan.swapped_in)),
+    return StepWork(
+        batch_size=forward.batch_size,
+        swap_out_blocks=sum(len(s.blocks) for s in plan.swapped_out),
+        swap_in_blocks=sum(len(s.blocks) for s in plan.swapped_in),
+        block_copies=len(plan.copies),
+        row_groups=forward.row_groups,
+        query_tokens_padded=forward.query_tokens_padded,
+        kv_slots_read=forward.kv_slots_read,
+        kv_slots_attended=forward.kv_slots_attended,
+        attention_pairs=forward.attention_pairs,
+        logit_rows=forward.logit_rows,
+        single_token_rows=forward.single_token_rows,
+        draft_block_copies=len(plan.draft_copies),
         draft_rounds=max((s.num_draft_tokens for s in drafts), default=0),
         draft_tokens=sum(_draft_fed(s) for s in drafts),
-        single_token_rows=work.single_token_rows,
     )
 
 
@@ -55,7 +59,7 @@ def _draft_fed(s: Scheduled) -> int:
 
 class ModelClock(VirtualClock):
     """A virtual clock that advances by the profile's price of each step's work, never by a
-    measurement: ``charge`` the step's features, then ``advance``."""
+    measurement: ``charge`` the step's work, then ``advance``."""
 
     name = "model"
     measures = False
@@ -64,9 +68,10 @@ class ModelClock(VirtualClock):
         super().__init__(start)
         self.profile = profile
         self._step = 0.0
+        self._price = profile.predict
 
-    def charge(self, work: StepFeatures) -> None:
-        self._step = self.profile.predict(work)
+    def charge(self, work: StepWork) -> None:
+        self._step = self._price(work)
 
     def after(self, elapsed: float) -> float:
         return self._now + self._step
@@ -96,7 +101,7 @@ class ModelledRunner:
         self._rng = np.random.default_rng([seed, 0x5EED])
 
     def forward(self, rows: Sequence[Row], carried=None) -> Forward:
-        work = Work.of(rows, group_rows(rows, self.key_cost), self.block_size)
+        work = forward_work(rows, group_rows(rows, self.key_cost), self.block_size)
         return Forward(None, 0.0, 0.0, work, tokens=self._tokens(rows))
 
     def _tokens(self, rows: Sequence[Row]) -> np.ndarray:
@@ -137,7 +142,7 @@ class ModelledRunner:
 
 class ModelledProposer:
     """The draft model's stand-in: proposes seeded tokens (which the runner accepts with
-    the set probability); the draft's work is priced by the step's features."""
+    the set probability); the draft's work is priced with the step's (``step_work``)."""
 
     runs_model = True
 

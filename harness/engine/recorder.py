@@ -27,8 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from harness.analysis.metrics import STEP_SCHEMA
-from harness.costmodel.features import StepFeatures
-from harness.engine.model_runner import Work
+from harness.costmodel.work import StepWork
 from harness.engine.request import Sequence
 from harness.engine.speculative import Verifications
 from schedulers.output import Holding, KVStats, SchedulerOutput
@@ -225,40 +224,25 @@ class Recorder:
         build_time: float,
         swap_time: float = 0.0,
         verifications: Verifications | None = None,
-        work: Work | None = None,
-        features: StepFeatures | None = None,
+        *,
+        work: StepWork,
     ) -> None:
-        """One row per step: the plan, its timings, the forward's ``work`` (none when
-        nothing ran), the cost model's ``features`` and the ``snapshot`` taken during it."""
+        """One row per step: the plan, its timings, its ``work`` (every field the column of
+        its name) and the ``snapshot`` taken during it."""
         if not self.enabled:
             return
         spec = verifications or Verifications()
-        work = work or Work()
-        features = features or StepFeatures()
         if not self.measured:
             forward_time = build_time = swap_time = 0.0
+        row.update(vars(work))
         row.update(
             step=self._num_steps,
             start_time=start,
             duration=duration,
             forward_time=forward_time,
             build_time=build_time,
-            batch_size=len(plan.scheduled),
             preempted=len(plan.preempted),
-            swap_out_blocks=sum(len(s.blocks) for s in plan.swapped_out),
-            swap_in_blocks=sum(len(s.blocks) for s in plan.swapped_in),
             swap_time=swap_time,
-            block_copies=len(plan.copies),
-            row_groups=work.groups,
-            query_tokens_padded=work.query_tokens_padded,
-            kv_slots_read=work.kv_slots_read,
-            kv_slots_attended=work.kv_slots_attended,
-            attention_pairs=work.attention_pairs,
-            logit_rows=work.logit_rows,
-            single_token_rows=work.single_token_rows,
-            draft_block_copies=len(plan.draft_copies),
-            draft_rounds=features.draft_rounds,
-            draft_tokens=features.draft_tokens,
             mlx_peak_bytes=mx.get_peak_memory() if self.measured else 0,
             spec_proposed=spec.proposed,
             spec_accepted=spec.accepted,

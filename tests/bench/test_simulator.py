@@ -13,7 +13,7 @@ def test_priced_error_is_the_profiles_price_of_the_real_steps_over_their_measure
     profile = MeasuredProfile(
         "hand.json",
         {
-            "kinds": {"decode": {"coefficients": {"step": 1e-3, "rows": 5e-4}}},
+            "kinds": {"decode": {"coefficients": {"step": 1e-3, "batch_size": 5e-4}}},
             "moves": {"block_copies": 2.5e-4},
         },
     )

@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from harness.costmodel.features import FEATURES, StepFeatures, from_step
+from harness.analysis.metrics import STEP_SCHEMA
 from harness.costmodel.fit import fit_kinds, nnls, residuals
 from harness.costmodel.profile import FORMAT, VERSION, ProfileError, load, save
+from harness.costmodel.work import COLUMNS, PRICED, StepWork
 
 
 def profile_data(**kinds) -> dict:
@@ -19,7 +20,7 @@ def profile_data(**kinds) -> dict:
         "kind": "measured",
         "model": {"name": "toy", "fingerprint": "f"},
         "block_size": 16,
-        "features": list(FEATURES),
+        "features": list(PRICED),
         "kinds": {k: {"coefficients": c} for k, c in kinds.items()},
         "moves": {"block_copies": 0.001, "swap_blocks": 0.01},
     }
@@ -38,34 +39,50 @@ def saved(tmp_path):
 def test_a_step_is_priced_by_its_kinds_line_plus_its_block_moves(saved):
     """Decode: 2 ms + 0.5 ms x 4 rows + 1 ms per block copied (2) = 6 ms. Prefill:
     10 ms + 0.1 ms x 100 query tokens + 10 ms per block swapped (1) = 30 ms. A step that ran
-    no row pays its moves alone: 3 copies = 3 ms."""
+    no row pays its moves alone: 3 copies (2 of them the draft's) = 3 ms."""
     p = load(
         saved(
             profile_data(
-                decode={"step": 0.002, "rows": 0.0005},
-                prefill={"step": 0.01, "query_tokens": 0.0001},
+                decode={"step": 0.002, "batch_size": 0.0005},
+                prefill={"step": 0.01, "query_tokens_padded": 0.0001},
             )
         )
     )
-    decode = StepFeatures(rows=4, groups=1, query_tokens=4, single_token_rows=4, block_copies=2)
-    prefill = StepFeatures(rows=1, groups=1, query_tokens=100, swap_blocks=1)
+    decode = StepWork(
+        batch_size=4, row_groups=1, query_tokens_padded=4, single_token_rows=4, block_copies=2
+    )
+    prefill = StepWork(batch_size=1, row_groups=1, query_tokens_padded=100, swap_in_blocks=1)
     assert decode.kind == "decode" and prefill.kind == "prefill"
     assert p.predict(decode) == pytest.approx(0.006)
     assert p.predict(prefill) == pytest.approx(0.030)
-    assert p.predict(StepFeatures(block_copies=3)) == pytest.approx(0.003)
+    idle = StepWork(block_copies=1, draft_block_copies=2)
+    assert p.predict(idle) == pytest.approx(0.003)
 
 
 def test_a_kind_the_profile_never_measured_names_the_calibration_that_runs_it(saved):
     p = load(saved(profile_data(decode={"step": 0.002})))
-    verify = StepFeatures(rows=1, groups=1, query_tokens=5, draft_rounds=4, draft_tokens=4)
+    verify = StepWork(
+        batch_size=1, row_groups=1, query_tokens_padded=5, draft_rounds=4, draft_tokens=4
+    )
     with pytest.raises(ProfileError, match="no 'verify' steps.*speculative=draft"):
         p.predict(verify)
 
 
 def test_step_kinds():
-    assert StepFeatures().kind == "idle"
-    assert StepFeatures(rows=2, single_token_rows=1).kind == "mixed"
-    assert StepFeatures(rows=2, single_token_rows=2, draft_rounds=1).kind == "verify"
+    assert StepWork().kind == "idle"
+    assert StepWork(batch_size=2, single_token_rows=1).kind == "mixed"
+    assert StepWork(batch_size=2, single_token_rows=2, draft_rounds=1).kind == "verify"
+
+
+def test_step_work_fields_are_steps_columns_priced_by_name():
+    """Every field is an int column of steps.parquet; each priced count is the column of its
+    name, but block_copies (the target's and the draft's) and swap_blocks (out and in)."""
+    assert all(STEP_SCHEMA.get(c) == "int" for c in COLUMNS)
+    sums = {"block_copies": ("block_copies", "draft_block_copies")}
+    sums["swap_blocks"] = ("swap_out_blocks", "swap_in_blocks")
+    for i, name in enumerate(PRICED):
+        for column in sums.get(name, (name,)):
+            assert StepWork(**{column: 7}).vector() == tuple(7 * (j == i) for j in range(10))
 
 
 @pytest.mark.parametrize(
@@ -122,22 +139,22 @@ def test_the_fit_recovers_the_costs_that_made_the_steps():
             int(rng.integers(16, 4096)),
             int(rng.integers(0, 3)),
         )
-        work = StepFeatures(
-            rows=rows,
-            groups=1,
-            query_tokens=rows,
-            kv_read=kv,
-            logits=rows,
+        work = StepWork(
+            batch_size=rows,
+            row_groups=1,
+            query_tokens_padded=rows,
+            kv_slots_read=kv,
+            logit_rows=rows,
             single_token_rows=rows,
             block_copies=copies,
         )
         steps.append((work, 0.001 + 0.0002 * rows + 1e-8 * kv + 0.001 * copies))
     fitted = fit_kinds(steps, {"block_copies": 0.001})
     c = fitted["decode"]["coefficients"]
-    assert c["step"] + c.get("groups", 0) == pytest.approx(0.001, rel=1e-6)
-    per_row = c.get("rows", 0) + c.get("query_tokens", 0) + c.get("logits", 0)
+    assert c["step"] + c.get("row_groups", 0) == pytest.approx(0.001, rel=1e-6)
+    per_row = sum(c.get(n, 0) for n in ("batch_size", "query_tokens_padded", "logit_rows"))
     assert per_row == pytest.approx(0.0002, rel=1e-6)
-    assert c["kv_read"] == pytest.approx(1e-8, rel=1e-6)
+    assert c["kv_slots_read"] == pytest.approx(1e-8, rel=1e-6)
     assert fitted["decode"]["residuals"]["p90_abs"] == pytest.approx(0, abs=1e-9)
 
 
@@ -166,6 +183,9 @@ def test_a_steps_table_row_gives_the_counts_it_recorded():
         "draft_rounds": 0,
         "draft_tokens": 0,
         "single_token_rows": 2,
+        "kv_slots_attended": 40,
+        "duration": 0.5,  # not work: left out
     }
-    work = from_step(row)
-    assert (work.block_copies, work.swap_blocks, work.kind) == (3, 5, "mixed")
+    work = StepWork.from_row(row)
+    assert vars(work) == {k: v for k, v in row.items() if k != "duration"}
+    assert (work.vector()[6:8], work.kind) == ((3, 5), "mixed")

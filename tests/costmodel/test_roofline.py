@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 
-from harness.costmodel.features import FEATURES, StepFeatures
 from harness.costmodel.profile import ProfileError, RooflineProfile, fingerprint, load, save
 from harness.costmodel.roofline import (
     decode_step,
@@ -17,6 +16,8 @@ from harness.costmodel.roofline import (
     prefill_step,
     shape_of,
 )
+from harness.costmodel.work import PRICED, StepWork
+from harness.engine.modelled import ModelClock
 
 A100_FP16, A100_FP32, A100_BW, A100_PCIE = 312.0e12, 19.5e12, 2.039e12, 32.0e9
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -119,7 +120,7 @@ def test_decode_of_7b_reads_its_weights_once():
 
 
 @pytest.mark.parametrize("device", sorted(devices()))
-@pytest.mark.parametrize("count", FEATURES[:8])
+@pytest.mark.parametrize("count", [*PRICED[:7], "draft_block_copies", "swap_in_blocks"])
 def test_more_work_never_costs_less(device, count):
     small = profile(shape_of("small"), device)
     base = decode_step(8, 256, 16)
@@ -139,12 +140,12 @@ def test_rows_and_tokens_cost_strictly_more(device):
 def test_block_moves_cost_their_bytes():
     tiny = shape_of("tiny")  # fp32, 4 layers, 2 KV heads of 64
     block = 16 * 2 * 2 * 64 * 4 * 4
-    idle = StepFeatures(block_copies=3, swap_blocks=2)
+    idle = StepWork(block_copies=2, draft_block_copies=1, swap_out_blocks=2)
     assert profile(tiny).predict(idle) == pytest.approx(
         3 * 2 * block / A100_BW + 2 * block / A100_PCIE
     )
     m2 = devices()["m2-max"]
-    assert profile(tiny, "m2-max").predict(StepFeatures(swap_blocks=1)) == pytest.approx(
+    assert profile(tiny, "m2-max").predict(StepWork(swap_in_blocks=1)) == pytest.approx(
         block / m2["host_link_bandwidth"]
     )
 
@@ -190,8 +191,8 @@ def test_saved_profile_predicts_identically_after_load(tmp_path):
     steps = [
         decode_step(7, 333, 16),
         prefill_step(1000, 16),
-        StepFeatures(block_copies=2, swap_blocks=5),
-        replace(decode_step(3, 90, 16), draft_rounds=4, draft_tokens=16, groups=2),
+        StepWork(block_copies=2, swap_out_blocks=5),
+        replace(decode_step(3, 90, 16), draft_rounds=4, draft_tokens=16, row_groups=2),
     ]
     assert [loaded.predict(s) for s in steps] == [fresh.predict(s) for s in steps]
 
@@ -201,7 +202,7 @@ def test_profile_records_model_machine_and_schema():
     assert (data["format"], data["version"], data["kind"]) == ("kvbench-profile", 1, "roofline")
     assert data["model"]["fingerprint"] == fingerprint(shape_of("tiny"))
     assert data["machine"]["name"] == "h100" and data["block_size"] == 32
-    assert data["features"] == list(FEATURES)
+    assert data["features"] == list(PRICED)
 
 
 def test_shape_of_matches_the_built_model(model):
@@ -253,3 +254,31 @@ def test_malformed_roofline_section_is_a_profile_error(tmp_path):
     save(data, tmp_path / "bad.json")
     with pytest.raises(ProfileError, match="'roofline'"):
         load(tmp_path / "bad.json")
+
+
+def test_the_model_clock_prices_copies_and_swaps_over_both_columns():
+    """A roofline prices block copies in the target's and the draft's arena alike, and swaps
+    out and in alike (their sums), and the model clock charges that price."""
+    data = derive(shape_of("small"), "m3-ultra", block_size=16, draft=shape_of("tiny"))
+    roofline = RooflineProfile("test", data)
+    work = StepWork(
+        batch_size=3,
+        row_groups=2,
+        query_tokens_padded=40,
+        attention_pairs=900,
+        kv_slots_read=96,
+        logit_rows=3,
+        single_token_rows=2,
+        block_copies=1,
+        draft_block_copies=2,
+        swap_out_blocks=4,
+        swap_in_blocks=1,
+        draft_rounds=4,
+        draft_tokens=9,
+    )
+    summed = replace(
+        work, block_copies=3, draft_block_copies=0, swap_out_blocks=5, swap_in_blocks=0
+    )
+    clock = ModelClock(roofline)
+    clock.charge(work)
+    assert clock.advance(0.0) == roofline.predict(summed) > 0

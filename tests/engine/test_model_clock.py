@@ -15,8 +15,8 @@ from allocators.free_list import FreeListAllocator
 from harness.analysis.metrics import acceptance_rate, steps_frame
 from harness.cli.run import UsageError
 from harness.cli.run import run as run_experiment
-from harness.costmodel.features import FEATURES
 from harness.costmodel.profile import FORMAT, VERSION, fingerprint, save
+from harness.costmodel.work import PRICED
 from harness.engine import build_engine
 from harness.engine.intake import RequestError
 from harness.engine.sampling_params import SamplingParams
@@ -36,11 +36,11 @@ def toy_profile(model, tmp_path, **extra) -> str:
         "kind": "measured",
         "model": shape | {"fingerprint": fingerprint(shape)},
         "block_size": 16,
-        "features": list(FEATURES),
+        "features": list(PRICED),
         "kinds": {
             "decode": {"coefficients": {"step": DECODE}},
-            "prefill": {"coefficients": {"query_tokens": PREFILL_PER_TOKEN}},
-            "mixed": {"coefficients": {"step": DECODE, "query_tokens": PREFILL_PER_TOKEN}},
+            "prefill": {"coefficients": {"query_tokens_padded": PREFILL_PER_TOKEN}},
+            "mixed": {"coefficients": {"step": DECODE, "query_tokens_padded": PREFILL_PER_TOKEN}},
             "verify": {"coefficients": {"step": DECODE, "draft_tokens": 0.001}},
         },
         "moves": {"block_copies": 0.0, "swap_blocks": 0.0},

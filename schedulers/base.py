@@ -358,7 +358,7 @@ class Scheduler(ABC):
                 if victim is seq:
                     break
             if alloc is not None:
-                budget = self._run(out, seq, n, alloc, budget)
+                budget = self._add_row(out, seq, n, alloc, budget)
         return budget, pressure
 
     def _bring_in(self, out: SchedulerOutput, budget: int, now: float, reserve: int) -> int:
@@ -421,7 +421,7 @@ class Scheduler(ABC):
                 seq.num_cached_tokens = cached
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-            budget = self._run(out, seq, n, alloc, budget)
+            budget = self._add_row(out, seq, n, alloc, budget)
         for queue, seq in leaving:
             queue.remove(seq)
         return budget
@@ -436,7 +436,7 @@ class Scheduler(ABC):
         return self.allocator.blocks_needed(seq.request_id, seq.num_computed_tokens + 1)
 
     @staticmethod
-    def _run(out: SchedulerOutput, seq: Request, n: int, alloc: Allocation, budget: int) -> int:
+    def _add_row(out: SchedulerOutput, seq: Request, n: int, alloc: Allocation, budget: int) -> int:
         if alloc.copies:
             out.copies.extend(alloc.copies)
         out.scheduled.append(Scheduled(seq, n, 0, 0, seq.num_computed_tokens + n == seq.num_tokens))

@@ -28,7 +28,7 @@ BLOCK_SIZE = 16
 ARENA_BLOCKS = 512  # the decode case's rows take 312
 
 
-def _rows(specs: list[tuple[int, int]], rng: np.random.Generator, vocab: int) -> list[Row]:
+def make_rows(specs: list[tuple[int, int]], rng: np.random.Generator, vocab: int) -> list[Row]:
     """Rows computing ``n`` tokens after ``context`` cached ones, on disjoint blocks."""
     rows, next_block = [], 0
     for n, context in specs:
@@ -39,7 +39,7 @@ def _rows(specs: list[tuple[int, int]], rng: np.random.Generator, vocab: int) ->
     return rows
 
 
-def _time(runner: ModelRunner, batches: list[list[Row]], repeats: int) -> list[float]:
+def time_forwards(runner: ModelRunner, batches: list[list[Row]], repeats: int) -> list[float]:
     """Median seconds of one synchronised forward of each batch, timed in interleaved rounds
     (so drifting machine load hits all alike), after a warm-up round."""
     times: list[list[float]] = [[] for _ in batches]
@@ -64,7 +64,7 @@ def batches(vocab: int) -> dict[str, list[list[Row]]]:
     rng = np.random.default_rng(0)
     out = {}
     for case, (a, b) in CASES.items():
-        rows = _rows(a + b, rng, vocab)
+        rows = make_rows(a + b, rng, vocab)
         out[case] = [rows[: len(a)], rows[len(a) :], rows]
     return out
 
@@ -73,7 +73,7 @@ def measure(loaded: LoadedModel, repeats: int = 5) -> dict[str, tuple[float, flo
     """Each case of ``CASES``: median seconds of (part A alone, part B alone, both mixed)."""
     runner = ModelRunner(loaded, KVArena.for_model(loaded, ARENA_BLOCKS, BLOCK_SIZE))
     return {
-        case: tuple(_time(runner, rows, repeats))
+        case: tuple(time_forwards(runner, rows, repeats))
         for case, rows in batches(loaded.vocab_size).items()
     }
 

@@ -53,7 +53,7 @@ class Forks:
         self.outputs = outputs
         self.recorder = recorder
 
-    def completions(self, parent: Seq) -> list[Seq]:
+    def fork_completions(self, parent: Seq) -> list[Seq]:
         """The other n - 1 completions of ``parent``'s request, made when its prompt is done
         (``Scheduler.update`` forks them onto its KV); completion i samples with seed
         ``seed + i`` (vLLM)."""

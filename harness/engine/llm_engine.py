@@ -240,7 +240,7 @@ class LLMEngine:
             aborted = [seq for seq in aborted if seq is not None]
             self._settle()
             if aborted:  # one output for the request, all its completions in
-                self.requests.owe(self.outputs.output(aborted[0]))
+                self.requests.owe(self.outputs.report(aborted[0]))
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or an abort's output is not yet returned."""
@@ -293,14 +293,14 @@ class LLMEngine:
             start, now = time.perf_counter(), self.clock.now()
             plan = self.scheduler.schedule(now)
             self._settle()
-            outputs = self._owed(plan, now)
+            outputs = self._collect_owed(plan, now)
             swap_time = self._move_blocks(plan)
             outputs += self._step(plan, start, now, swap_time)
             self._idle(plan, next_arrival)
             # One output per request: its completions progress together (n > 1).
             return list({out.request_id: out for out in outputs}.values())
 
-    def _owed(self, plan: SchedulerOutput, now: float) -> list[RequestOutput]:
+    def _collect_owed(self, plan: SchedulerOutput, now: float) -> list[RequestOutput]:
         """Outputs of aborts since the last step and of the requests the scheduler rejected
         this step (it finished them; a rejected beam ends its whole search)."""
         outputs = self.requests.take_owed() if self.requests.owed else []
@@ -310,7 +310,7 @@ class LLMEngine:
                 outputs += self.forks.end_beams(group, "abort", now, reason)
                 self._settle()
             elif seq.group_id not in self.requests.beams:
-                outputs.append(self.outputs.output(seq))
+                outputs.append(self.outputs.report(seq))
         return outputs
 
     def _settle(self) -> None:
@@ -408,7 +408,7 @@ class LLMEngine:
         )
         step.waited += waited
         self._settle()
-        return self._outputs_of(resolved)
+        return self._report(resolved)
 
     def _launch(
         self, plan: SchedulerOutput, step: _Step, carried: mx.array | None, on_device=False
@@ -539,7 +539,7 @@ class LLMEngine:
             # The prompt is done: n > 1 forks the other completions off it, each sampling
             # its first token from the same logits.
             if seq.params.n > 1 and len(requests.groups[seq.group_id]) == 1:
-                for child in self.forks.completions(seq):
+                for child in self.forks.fork_completions(seq):
                     forks.append((seq, child))
                     to_sample.append(child)
                     picks.append(row)
@@ -577,24 +577,24 @@ class LLMEngine:
             for seq, token, token_logprobs in zip(to_sample, tokens, logprobs, strict=True):
                 if token_logprobs is not None:
                     self.outputs.add_logprobs(seq, token, token_logprobs)
-        outputs = self._outputs_of([seq for seq, _ in verified] + to_sample)
+        outputs = self._report([seq for seq, _ in verified] + to_sample)
         for (seq, _), row in zip(offering, candidates, strict=True):
             outputs += self.forks.offer(seq, row, now)
         if offering:
             self._settle()
         return outputs
 
-    def _outputs_of(self, progressed: list[Seq]) -> list[RequestOutput]:
+    def _report(self, progressed: list[Seq]) -> list[RequestOutput]:
         """One output per request among the sequences that got tokens, built once all its
         completions' tokens of the step are in."""
         outputs = []
         seen = set()
-        progressed_output = self.outputs.progressed
+        report_progress = self.outputs.report_progress
         for seq in progressed:
             if seq.group_id in seen:
                 continue
             seen.add(seq.group_id)
-            outputs += progressed_output(seq)
+            outputs += report_progress(seq)
         return outputs
 
     def _verify(

@@ -155,7 +155,7 @@ class ModelRunner:
                 # MLX's CPU build): finish the earlier groups first.
                 self.wait([o for o in outputs if o is not None])
             rows_g = [rows[i] for i in g]
-            outputs.append(self._run(_with_carried(inputs, rows_g, carried), layout, picks))
+            outputs.append(self._run_group(_with_carried(inputs, rows_g, carried), layout, picks))
         order = [i for g in groups for i in g]
         logits = None
         parts = [o for o in outputs if o is not None]
@@ -217,7 +217,7 @@ class ModelRunner:
             window=window,
         )
 
-    def _run(
+    def _run_group(
         self, inputs: mx.array, layouts: tuple[BatchLayout, BatchLayout | None], picks: list[int]
     ) -> mx.array | None:
         layout, ring = layouts

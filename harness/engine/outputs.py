@@ -4,8 +4,9 @@
                          min_tokens)
     add_logprobs         an output token's logprobs (and the cumulative logprob); prompt
                          logprobs from a prefill's logits
-    output(seq)          one RequestOutput per request: its n completions, with text and
-                         logprobs, finished when all are; final_only requests get only that
+    report(seq)          one RequestOutput per request: its n completions, with text and
+                         logprobs, finished when all are (the request table then closes its
+                         group); report_progress: final_only requests get only that one
 
 The tokens themselves, their times and the stops are the scheduler's to write
 (``Scheduler.update``); ``OutputProcessor`` is the one writer of a sequence's logprobs, and
@@ -56,16 +57,16 @@ class OutputProcessor:
         tokens = seq.token_ids + list(drafts) if drafts else seq.token_ids
         return SampleRow(seq.params, tokens, seq.num_prompt_tokens, seq.rng, banned)
 
-    def progressed(self, seq: Seq) -> list[RequestOutput]:
+    def report_progress(self, seq: Seq) -> list[RequestOutput]:
         """The output of a request whose ``seq`` got tokens this step: none until all its
         completions finish when its params ask for the final output only."""
         if seq.params.output_kind == "final_only":
             group = self.requests.groups.get(seq.group_id, (seq,)) if seq.finished else ()
             if not (group and all(s.finished for s in group)):
                 return []
-        return [self.output(seq)]
+        return [self.report(seq)]
 
-    def output(self, seq: Seq) -> RequestOutput:
+    def report(self, seq: Seq) -> RequestOutput:
         """The request's output: all its completions (n > 1), finished when all are."""
         group = self.requests.groups.get(seq.group_id, [seq])
         finished = all(s.finished for s in group)

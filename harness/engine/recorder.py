@@ -28,7 +28,7 @@ import numpy as np
 
 from harness.analysis.metrics import STEP_SCHEMA
 from harness.costmodel.work import StepWork
-from harness.engine.request import Sequence
+from harness.engine.request import Seq
 from harness.engine.speculative import Verifications
 from schedulers.output import Holding, KVStats, SchedulerOutput
 
@@ -58,11 +58,11 @@ class Recorder:
             name: array("q" if kind == "int" else "d") for name, kind in STEP_SCHEMA.items()
         }
         self._num_steps = 0
-        self._live: dict[tuple[Sequence, int], _Holding] = {}  # by (sequence, preemptions)
+        self._live: dict[tuple[Seq, int], _Holding] = {}  # by (sequence, preemptions)
         # The running tables as the last step counted them, and how many of them hold each
         # block (its keys: the distinct blocks), kept up to date as tables grow rather than
         # recounted every step.
-        self._tables: dict[Sequence, tuple[int, ...]] = {}
+        self._tables: dict[Seq, tuple[int, ...]] = {}
         self._holders: dict[int, int] = {}
 
     def step_columns(self) -> dict[str, np.ndarray]:
@@ -82,7 +82,7 @@ class Recorder:
         values = zip(*(col.tolist() for col in columns.values()), strict=True)
         return [dict(zip(columns, row, strict=True)) for row in values]
 
-    def request(self, seq: Sequence, **columns) -> None:
+    def request(self, seq: Seq, **columns) -> None:
         """A finished request's row, from ``seq``; ``columns`` replace what the sequence
         alone cannot say (a beam search's row is its group's, not one beam's)."""
         if not self.enabled:
@@ -111,7 +111,7 @@ class Recorder:
         self.requests.append(row | columns)
 
     def snapshot(
-        self, stats: KVStats | None, plan: SchedulerOutput, proposed: Mapping[Sequence, int]
+        self, stats: KVStats | None, plan: SchedulerOutput, proposed: Mapping[Seq, int]
     ) -> dict | None:
         """The step's KV memory, token split and queue figures, from the scheduler's
         ``stats`` (None when recording is off). Taken after scheduling and before the step's

@@ -5,15 +5,13 @@ allocator, under memory pressure too; paged allocators share the beams' common b
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import numpy as np
 import pytest
+from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import beam_search_reference, mlx_lm_tokens
-from test_engine import ALLOCATORS, assert_all_free
 
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
-from harness.engine import build_engine
 from harness.engine.beam_search import (
     BeamGroup,
     BeamSearchParams,
@@ -23,21 +21,16 @@ from harness.engine.beam_search import (
 )
 from harness.engine.request import Sequence
 from harness.engine.sampling_params import SamplingParams, SamplingParamsError
-from schedulers.fcfs import FCFSScheduler
 
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(8)
-    return [rng.integers(1, 1024, n).tolist() for n in (21, 40, 9)]
+PROMPT_LENS = (21, 40, 9)
+PROMPT_SEED = 8
 
 
 def engine(model, allocator, num_blocks=128, **kwargs):
-    return build_engine(
-        model, allocator, partial(FCFSScheduler, **kwargs), block_size=8, num_blocks=num_blocks
-    )
+    return build_with_policy(model, allocator, block_size=8, num_blocks=num_blocks, **kwargs)
 
 
 def assert_matches(outputs, references):

@@ -3,16 +3,13 @@ prefill's budget and decode fairness; prefill-first; batch constraints; the swap
 
 from __future__ import annotations
 
-from functools import partial
-
 import mlx.core as mx
-import numpy as np
 import pytest
+from conftest import build_with_policy, random_prompts
 from reference import mlx_lm_tokens
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator
-from harness.engine import build_engine
 from harness.engine.kv_cache import KVArena
 from harness.engine.request import Sequence
 from harness.engine.sampling_params import SamplingParams
@@ -27,17 +24,19 @@ def greedy(n: int) -> SamplingParams:
 
 
 def prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(1, 1024, n).tolist()
+    (drawn,) = random_prompts([n], seed)
+    return drawn
 
 
 def build(model, policy, *, num_blocks, block_size=4, max_model_len=None, **kwargs):
-    return build_engine(
+    return build_with_policy(
         model,
         FreeListAllocator,
-        partial(policy, **kwargs),
+        policy,
         block_size=block_size,
         num_blocks=num_blocks,
-        max_model_len=max_model_len,
+        engine_options={"max_model_len": max_model_len},
+        **kwargs,
     )
 
 

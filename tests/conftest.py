@@ -17,7 +17,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
-from reference import mlx_lm_tokens
 
 # Tests time nothing, and a two-thread MKL pool stalls on a machine with other load (its
 # threads wait at a barrier for one descheduled): harness/platform/blas.py "Threads". Set
@@ -78,6 +77,9 @@ def reference(
     request: pytest.FixtureRequest, model: LoadedModel, prompts: list[list[int]]
 ) -> list[list[int]]:
     """mlx_lm's greedy tokens for each of the module's prompts, its ``MAX_TOKENS`` of them."""
+    # Not at the top: reference imports mlx, which must come after harness's BLAS switch.
+    from reference import mlx_lm_tokens
+
     return [mlx_lm_tokens(model, p, request.module.MAX_TOKENS) for p in prompts]
 
 

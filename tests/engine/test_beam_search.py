@@ -23,8 +23,6 @@ from harness.engine.request import Sequence
 from harness.engine.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_TOKENS = 6
-
-
 PROMPT_LENS = (21, 40, 9)
 PROMPT_SEED = 8
 

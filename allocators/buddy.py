@@ -50,6 +50,14 @@ class BuddyAllocator(RegionAllocator):
                 self._add(start, order)
                 start += 1 << order
 
+    @property
+    def free_regions(self) -> list[tuple[int, int]]:
+        """The free regions as ``(start, size in blocks)``, by address: how the free space
+        is split, which ``unusable_free_blocks`` sums and ``dump`` does not show."""
+        return sorted(
+            (start, 1 << order) for order, starts in enumerate(self._free_at) for start in starts
+        )
+
     def _add(self, start: int, order: int) -> None:
         self._free_at[order].add(start)
         heapq.heappush(self._heaps[order], start)

@@ -6,9 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import get_class, instantiate
@@ -22,7 +26,10 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import harness  # noqa: F401  (switches MLX to MKL before a test module imports mlx)
 from allocators.base import BlockAllocator
 from harness.cli.run import CONFIG_DIR
+from harness.engine import LLMEngine, build_engine
 from harness.platform.models import LoadedModel, random_model
+from schedulers.base import Scheduler
+from schedulers.fcfs import FCFSScheduler
 
 ROOT = Path(__file__).resolve().parent.parent  # this checkout
 ALLOCATOR_CONF = Path(CONFIG_DIR) / "allocator"
@@ -50,6 +57,60 @@ def smollm2(smollm2_cache: str) -> LoadedModel:
     from harness.platform.smollm2 import load_smollm2
 
     return load_smollm2(cache=smollm2_cache)
+
+
+def random_prompts(lengths: Iterable[int], seed: int) -> list[list[int]]:
+    """One prompt of each length, of random token ids from 1 to 1023, drawn from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 1024, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def prompts(request: pytest.FixtureRequest) -> list[list[int]]:
+    """The requesting module's prompts: ``random_prompts(PROMPT_LENS, PROMPT_SEED)``, its own
+    two constants, so that each module keeps the prompts its expectations were computed on."""
+    return random_prompts(request.module.PROMPT_LENS, request.module.PROMPT_SEED)
+
+
+@pytest.fixture(scope="module")
+def reference(
+    request: pytest.FixtureRequest, model: LoadedModel, prompts: list[list[int]]
+) -> list[list[int]]:
+    """mlx_lm's greedy tokens for each of the module's prompts, its ``MAX_TOKENS`` of them."""
+    # Not at the top: reference imports mlx, which must come after harness's BLAS switch.
+    from reference import mlx_lm_tokens
+
+    return [mlx_lm_tokens(model, p, request.module.MAX_TOKENS) for p in prompts]
+
+
+def build_with_policy(
+    model: LoadedModel,
+    allocator: Callable[..., BlockAllocator],
+    policy: Callable[..., Scheduler] = FCFSScheduler,
+    *,
+    block_size: int,
+    num_blocks: int,
+    engine_options: Mapping[str, Any] = MappingProxyType({}),
+    **policy_options: Any,
+) -> LLMEngine:
+    """``build_engine`` over ``num_blocks`` blocks of ``block_size``, its scheduler ``policy``
+    with ``policy_options``; ``engine_options`` are build_engine's others (pipeline, ...)."""
+    return build_engine(
+        model,
+        allocator,
+        partial(policy, **policy_options),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        **engine_options,
+    )
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    """Every block of the engine's arena is free or evictable, its invariants holding."""
+    engine.allocator.check()
+    stats = engine.allocator.stats()
+    assert stats.used_blocks == 0
+    assert stats.free_blocks + stats.cached_blocks == stats.num_blocks
 
 
 def compose_config(overrides: Sequence[str] = (), *, tiny: bool = True) -> DictConfig:

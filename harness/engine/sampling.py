@@ -248,18 +248,18 @@ def _kept_row(logits: np.ndarray, top, temperature, params: SamplingParams, cand
         ids = np.arange(vocab)
         probs = _probs(logits, top, temperature, params.min_p)
         total = probs.sum(dtype=np.float64) if params.top_p < 1 else 0.0
-        floor = _floor(probs, top_k, params.top_p, (total, total), partial=False)
+        floor = kept_floor(probs, top_k, params.top_p, (total, total), partial=False)
     else:
         ids, left_out = candidates
         probs = _probs(logits[ids], top, temperature, params.min_p)
         left_out = 0.0 if params.min_p > TAIL_MASS else left_out
-        # Top-p's total, where top-k does not set it (from the head, in _floor).
+        # Top-p's total, where top-k does not set it (from the head, in kept_floor).
         mass = probs.sum(dtype=np.float64) if params.top_p < 1 and not top_k else 0.0
         bounds = (mass * (1 - SUM_ERROR), (mass + left_out) * (1 + SUM_ERROR))
-        floor = _floor(probs, top_k, params.top_p, bounds, partial=left_out > 0)
+        floor = kept_floor(probs, top_k, params.top_p, bounds, partial=left_out > 0)
         if floor is None and left_out:
             total = _probs(logits, top, temperature, params.min_p).sum(dtype=np.float64)
-            floor = _floor(probs, top_k, params.top_p, (total, total), partial=True)
+            floor = kept_floor(probs, top_k, params.top_p, (total, total), partial=True)
         if floor is None:
             return _kept_row(logits, top, temperature, params, None)
     kept = probs >= floor if floor > 0 else probs > 0
@@ -278,7 +278,9 @@ def _probs(logits: np.ndarray, top, temperature, min_p: float) -> np.ndarray:
     return probs
 
 
-def _floor(probs: np.ndarray, top_k: int, top_p: float, mass: tuple, partial: bool):
+def kept_floor(
+    probs: np.ndarray, top_k: int, top_p: float, mass: tuple, partial: bool
+) -> float | None:
     """The least probability top-k (``top_k`` 0: none) and top-p keep among ``probs``, 0 when
     they keep everything. ``mass`` bounds the row's total (low, high: equal when exact);
     ``partial``: tokens with mass, each at most TAIL_MASS, are left out of ``probs``. None

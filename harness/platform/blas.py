@@ -68,6 +68,11 @@ def requested() -> str:
     return value
 
 
+def loaded_mkl() -> ctypes.CDLL | None:
+    """The handle of the libmkl_rt that :func:`configure` loaded, or None if it loaded none."""
+    return _mkl
+
+
 def find_mkl() -> str | None:
     """Path of MKL's ``libmkl_rt.so*`` in the running environment, or None (non-Linux too).
 

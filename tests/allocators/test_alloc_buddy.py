@@ -10,8 +10,9 @@ def test_regions_are_power_of_two_and_aligned_to_their_size() -> None:
     alloc = BuddyAllocator(num_blocks=32, block_size=1)
     for seq, n in (("a", 3), ("b", 1), ("c", 5), ("d", 2)):
         alloc.allocate(seq, n)
-    for seq, s in alloc._seqs.items():
-        assert s.size & (s.size - 1) == 0 and s.start % s.size == 0, seq
+    for seq in "abcd":
+        start, size = alloc.block_table(seq)[0], alloc.held_slots(seq)
+        assert size & (size - 1) == 0 and start % size == 0, seq
     assert alloc.block_table("c") == [8, 9, 10, 11, 12]
     alloc.check()
 
@@ -19,9 +20,9 @@ def test_regions_are_power_of_two_and_aligned_to_their_size() -> None:
 def test_allocate_splits_and_free_merges_back() -> None:
     alloc = BuddyAllocator(num_blocks=16, block_size=1)
     alloc.allocate("a", 1)  # 16 -> 8 + 4 + 2 + 1 + [1 used]
-    assert sorted(len(s) for s in alloc._free_at) == [0, 1, 1, 1, 1]
+    assert alloc.free_regions == [(1, 1), (2, 2), (4, 4), (8, 8)]
     assert alloc.free("a") == 1
-    assert alloc._free_at[4] == {0} and not any(alloc._free_at[:4])
+    assert alloc.free_regions == [(0, 16)]
     assert alloc.unusable_free_blocks(16) == 0  # one free region of 16 again
 
 
@@ -31,7 +32,7 @@ def test_growth_doubles_in_place_when_the_buddy_is_free() -> None:
     assert alloc.blocks_needed("a", 7) == 6  # region 2 -> 8
     assert alloc.allocate("a", 7) is NO_COPIES
     assert alloc.block_table("a") == list(range(7))
-    assert (alloc._seqs["a"].start, alloc._seqs["a"].size) == (0, 8)
+    assert alloc.held_slots("a") == 8 and alloc.free_regions == [(8, 8)]  # region [0, 8)
 
 
 def test_growth_relocates_when_the_buddy_is_taken() -> None:
@@ -72,13 +73,13 @@ def test_trim_gives_back_upper_halves() -> None:
     alloc.allocate("a", 7)  # region [0, 8)
     alloc.trim("a", 2)  # region [0, 2): [4, 8) and [2, 4) are free again
     assert alloc.held_slots("a") == 2 and alloc.num_free_blocks() == 14
-    assert alloc._free_at[1] == {2} and alloc._free_at[2] == {4}
+    assert alloc.free_regions == [(2, 2), (4, 4), (8, 8)]
     alloc.check()
 
 
 def test_non_power_of_two_arena_is_tiled_by_aligned_chunks() -> None:
     alloc = BuddyAllocator(num_blocks=24, block_size=1)
-    assert alloc._free_at[4] == {0} and alloc._free_at[3] == {16}
+    assert alloc.free_regions == [(0, 16), (16, 8)]
     assert alloc.max_seq_tokens == 16  # the largest chunk
     assert not alloc.can_allocate("a", 17)
     assert alloc.allocate("a", 17) is None  # no region of 32

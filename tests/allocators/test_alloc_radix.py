@@ -18,11 +18,6 @@ def serve(alloc: RadixAllocator, seq: str, tokens: list[int]) -> int:
     return matched
 
 
-def indexed(alloc: RadixAllocator) -> list[tuple[int, int]]:
-    """(block, parent block) of every tree node: the tree's shape."""
-    return sorted((n.block, n.parent.block) for n in alloc._indexed())
-
-
 def test_two_sequences_with_a_common_prefix_share_its_blocks() -> None:
     alloc = RadixAllocator(num_blocks=16, block_size=BS)
     system = list(range(8))
@@ -90,9 +85,10 @@ def test_a_failed_allocate_leaves_refs_and_tree_untouched() -> None:
     serve(alloc, "a", list(range(8)))
     alloc.free("a")
     alloc.match_prefix("b", list(range(9)))
-    before = (alloc.dump(), alloc.stats(), list(alloc._ref), indexed(alloc))
+    before = (alloc.dump(), alloc.stats(), list(alloc.block_table("b")), alloc.cached_paths())
     assert alloc.allocate("b", 20) is None
-    assert (alloc.dump(), alloc.stats(), list(alloc._ref), indexed(alloc)) == before
+    assert (alloc.dump(), alloc.stats(), alloc.block_table("b"), alloc.cached_paths()) == before
+    alloc.check()  # every block's refs still match the tables that hold it
 
 
 def test_fork_then_diverging_writes_copy_the_shared_partial_block() -> None:

@@ -5,33 +5,30 @@ allocator, under memory pressure too; paged allocators share the beams' common b
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import numpy as np
 import pytest
+from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import beam_search_reference, mlx_lm_tokens
-from test_engine import ALLOCATORS, assert_all_free
 
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
-from harness.engine import build_engine
-from harness.engine.beam_search import BeamGroup, BeamSearchParams, score, top_candidates
+from harness.engine.beam_search import (
+    BeamGroup,
+    BeamSearchParams,
+    Hypothesis,
+    score,
+    top_candidates,
+)
 from harness.engine.request import Sequence
 from harness.engine.sampling_params import SamplingParams, SamplingParamsError
-from schedulers.fcfs import FCFSScheduler
 
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(8)
-    return [rng.integers(1, 1024, n).tolist() for n in (21, 40, 9)]
+PROMPT_LENS = (21, 40, 9)
+PROMPT_SEED = 8
 
 
 def engine(model, allocator, num_blocks=128, **kwargs):
-    return build_engine(
-        model, allocator, partial(FCFSScheduler, **kwargs), block_size=8, num_blocks=num_blocks
-    )
+    return build_with_policy(model, allocator, block_size=8, num_blocks=num_blocks, **kwargs)
 
 
 def assert_matches(outputs, references):
@@ -98,8 +95,9 @@ def test_a_round_keeps_the_best_width_and_completes_eos_candidates():
 def test_finish_ranks_live_and_completed_beams_by_score():
     a = _seq("r", [1, 2, 3, 4], -2.0)  # output (3, 4): length 4, score -0.5
     group = BeamGroup(BeamSearchParams(beam_width=2), (9,), a)
-    group._complete(a, [3, 9], -1.2, "stop")  # length 3: score -0.4
-    group._complete(a, [5, 9], -1.8, "stop")  # -0.6
+    for output, cum in (([3, 9], -1.2), ([5, 9], -1.8)):  # length 3: scores -0.4, -0.6
+        value = score(2 + len(output), cum, True, 1.0)
+        group.completed.append(Hypothesis(output, cum, "stop", value))
     best = group.finish("length")
     assert [(h.output_token_ids, h.finish_reason) for h in best] == [
         ([3, 9], "stop"),

@@ -14,7 +14,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ALLOCATORS
+from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import mlx_lm_tokens
 
 from allocators.buddy import BuddyAllocator
@@ -31,37 +31,19 @@ from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler
 
 PROMPT_LENS = [1, 7, 16, 17, 63, 128, 255, 300]
+PROMPT_SEED = 1
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(1)
-    return [rng.integers(1, 1024, n).tolist() for n in PROMPT_LENS]
-
-
-@pytest.fixture(scope="module")
-def reference(model, prompts):
-    """mlx_lm's greedy tokens for each prompt."""
-    return [mlx_lm_tokens(model, p, MAX_TOKENS) for p in prompts]
-
-
 def make_engine(model, allocator, *, block_size, num_blocks, max_num_seqs=8, **alloc_kwargs):
-    return build_engine(
+    return build_with_policy(
         model,
         partial(allocator, **alloc_kwargs),
-        partial(FCFSScheduler, max_num_seqs=max_num_seqs),
         block_size=block_size,
         num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
     )
-
-
-def assert_all_free(engine):
-    engine.allocator.check()
-    stats = engine.allocator.stats()
-    assert stats.used_blocks == 0
-    assert stats.free_blocks + stats.cached_blocks == stats.num_blocks
 
 
 def blocks_needed(block_size: int) -> int:

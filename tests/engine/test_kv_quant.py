@@ -11,9 +11,8 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ALLOCATORS
+from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import beam_search_reference, mlx_lm_quantized_tokens, mlx_lm_tokens
-from test_engine import assert_all_free
 
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
@@ -29,12 +28,8 @@ from schedulers.fcfs import FCFSScheduler
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(11)
-    return [rng.integers(1, 1024, n).tolist() for n in (5, 37, 18, 60)]
+PROMPT_LENS = (5, 37, 18, 60)
+PROMPT_SEED = 11
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +42,13 @@ def references(model, prompts):
 
 
 def engine(model, allocator=FreeListAllocator, *, bits, num_blocks=128, block_size=8, **policy):
-    return build_engine(
+    return build_with_policy(
         model,
         allocator,
-        partial(FCFSScheduler, **policy),
         block_size=block_size,
         num_blocks=num_blocks,
-        kv_bits=bits,
+        engine_options={"kv_bits": bits},
+        **policy,
     )
 
 

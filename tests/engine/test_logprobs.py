@@ -12,7 +12,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ALLOCATORS
+from conftest import ALLOCATORS, random_prompts
 from reference import mlx_lm_logprobs
 
 from allocators.free_list import FreeListAllocator
@@ -123,8 +123,7 @@ def build(model, allocator, scheduler=FCFSScheduler, num_blocks=64, **kwargs):
 
 
 def prompts_of(*lengths, seed=3):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, 1024, n).tolist() for n in lengths]
+    return random_prompts(lengths, seed)
 
 
 def assert_prompt_logprobs(model, prompt, got, n):

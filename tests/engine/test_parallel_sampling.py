@@ -5,17 +5,14 @@ region allocators copy them, and the steps record what sharing saved."""
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import numpy as np
 import pytest
+from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import mlx_lm_tokens
-from test_engine import ALLOCATORS, assert_all_free
 
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
-from harness.engine import build_engine
 from harness.engine.sampling_params import SamplingParams, SamplingParamsError
-from schedulers.fcfs import FCFSScheduler
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -27,9 +24,7 @@ def prompt():
 
 
 def engine(model, allocator, num_blocks=64, **kwargs):
-    return build_engine(
-        model, allocator, partial(FCFSScheduler, **kwargs), block_size=16, num_blocks=num_blocks
-    )
+    return build_with_policy(model, allocator, block_size=16, num_blocks=num_blocks, **kwargs)
 
 
 @pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)

@@ -5,12 +5,11 @@ as in synchronous steps, and a token computed past a stop is never emitted."""
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import numpy as np
 import pytest
+from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import mlx_lm_tokens
-from test_engine import ALLOCATORS, assert_all_free
 
 from harness.engine import build_engine
 from harness.engine.sampling_params import SamplingParams
@@ -20,27 +19,17 @@ from schedulers.output import INFLIGHT
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPT_LENS = [3, 17, 40, 64, 90, 130]
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(7)
-    return [rng.integers(1, 1024, n).tolist() for n in PROMPT_LENS]
-
-
-@pytest.fixture(scope="module")
-def reference(model, prompts):
-    return [mlx_lm_tokens(model, p, MAX_TOKENS) for p in prompts]
+PROMPT_SEED = 7
 
 
 def engine(model, allocator, *, pipeline, num_blocks=64, block_size=16, **scheduler_kwargs):
-    return build_engine(
+    return build_with_policy(
         model,
         allocator,
-        partial(FCFSScheduler, **scheduler_kwargs),
         block_size=block_size,
         num_blocks=num_blocks,
-        pipeline=pipeline,
+        engine_options={"pipeline": pipeline},
+        **scheduler_kwargs,
     )
 
 

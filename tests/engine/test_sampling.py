@@ -193,14 +193,14 @@ def test_candidates_give_the_whole_rows_probabilities_and_tokens(monkeypatch):
     the draws are the inverse CDF of those probabilities, in float64."""
     logits = _rows()
     ways = set()
-    floor = sampling._floor
+    floor = sampling.kept_floor
 
     def counted(probs, top_k, top_p, mass, partial):
         out = floor(probs, top_k, top_p, mass, partial)
         ways.add(("whole row" if probs.size == VOCAB else "candidates", mass[0] == mass[1], out))
         return out
 
-    monkeypatch.setattr(sampling, "_floor", counted)
+    monkeypatch.setattr(sampling, "kept_floor", counted)
     uniforms = np.random.default_rng(3).random((10, len(logits)))
     for params in CANDIDATE_CASES:
         got = filtered(logits, [params] * len(logits))

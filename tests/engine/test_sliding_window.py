@@ -15,11 +15,10 @@ import dataclasses
 import json
 from functools import partial
 
-import numpy as np
 import pandas as pd
 import pytest
+from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import beam_search_reference, mlx_lm_tokens
-from test_engine import ALLOCATORS, assert_all_free
 
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
@@ -40,6 +39,7 @@ RING = ring_blocks(WINDOW, BLOCK_SIZE)  # 3
 PROMPT_LENS = [3, 20, 45, 90]
 MAX_TOKENS = 40
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPT_SEED = 13
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -48,23 +48,29 @@ def hybrid(request):
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(13)
-    return [rng.integers(1, 1024, n).tolist() for n in PROMPT_LENS]
-
-
-@pytest.fixture(scope="module")
 def reference(hybrid, prompts):
     return [mlx_lm_tokens(hybrid, p, MAX_TOKENS) for p in prompts]
 
 
-def build(model, allocator=FreeListAllocator, scheduler=FCFSScheduler, num_blocks=128, **kw):
-    return build_engine(
+def build(
+    model,
+    allocator=FreeListAllocator,
+    scheduler=FCFSScheduler,
+    num_blocks=128,
+    *,
+    engine_options=None,
+    **kw,
+):
+    """Blocks of BLOCK_SIZE, 4 sequences at most; ``kw`` for the scheduler."""
+    policy_options = {"max_num_seqs": 4, **kw}
+    return build_with_policy(
         model,
         allocator,
-        partial(scheduler, **{"max_num_seqs": 4, **kw}),
+        scheduler,
         block_size=BLOCK_SIZE,
         num_blocks=num_blocks,
+        engine_options=engine_options or {},
+        **policy_options,
     )
 
 
@@ -154,14 +160,7 @@ def test_chunked_prefill_keeps_tokens_identical(hybrid, prompts, reference, max_
 
 
 def test_pipelined_steps_keep_tokens_identical(hybrid, prompts, reference):
-    engine = build_engine(
-        hybrid,
-        FreeListAllocator,
-        partial(FCFSScheduler, max_num_seqs=4),
-        block_size=BLOCK_SIZE,
-        num_blocks=128,
-        pipeline=True,
-    )
+    engine = build(hybrid, engine_options={"pipeline": True})
     assert tokens(engine.generate(prompts, GREEDY)) == reference
     assert_window_free(engine)
 

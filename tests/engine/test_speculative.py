@@ -15,7 +15,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import ALLOCATORS
-from reference import mlx_lm_tokens
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator
@@ -33,18 +32,10 @@ from schedulers.priority import PriorityScheduler
 
 # Upper 0.1 % points of the chi-square distribution (a correct sampler fails 1 run in 1000).
 CHI2_999 = {3: 16.266, 6: 22.458, 7: 24.322, 9: 27.877}
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(1)
-    return [rng.integers(1, 1024, n).tolist() for n in (1, 7, 16, 17, 40, 63)]
-
-
-@pytest.fixture(scope="module")
-def reference(model, prompts):
-    return [mlx_lm_tokens(model, p, GREEDY.max_tokens) for p in prompts]
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPT_LENS = (1, 7, 16, 17, 40, 63)
+PROMPT_SEED = 1
 
 
 def spec_engine(

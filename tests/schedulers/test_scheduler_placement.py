@@ -9,7 +9,6 @@ that reaches max_tokens finishes), so only the decisions are under test.
 from __future__ import annotations
 
 import copy
-import sys
 from functools import partial
 
 import hypothesis.strategies as st
@@ -23,7 +22,7 @@ from allocators.contiguous import ContiguousAllocator
 from allocators.radix import RadixAllocator
 from harness.engine.request import Sequence
 from harness.engine.sampling_params import SamplingParams
-from schedulers.base import Scheduler
+from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler
@@ -42,10 +41,11 @@ def request(rid: str, prompt: list[int], max_tokens: int, arrival: float = 0.0, 
     return Sequence(rid, list(prompt), params, arrival_time=arrival, priority=priority)
 
 
-def step(sched: Scheduler, now: float = 0.0):
-    """One engine step without a model: apply the plan, sample token 7, finish at length
-    (max_tokens, or the longest a sequence may grow: ``max_seq_len``), as the engine does."""
-    plan = sched.schedule(now)
+def step(sched: Scheduler, now: float = 0.0, decide=None):
+    """One engine step without a model: apply the plan (``decide(now)``, by default
+    ``sched.schedule``), sample token 7, finish at length (max_tokens, or the longest a
+    sequence may grow: ``max_seq_len``), as the engine does."""
+    plan = (decide or sched.schedule)(now)
     for s in plan.scheduled:
         seq = s.seq
         seq.num_computed_tokens += s.num_new_tokens
@@ -131,49 +131,67 @@ def test_prefix_shared_with_a_running_sequence_is_not_counted_as_needed():
 class PreemptionOracle:
     """Checks each preemption against an independent oracle: on a deep copy of the
     allocator taken just before it, the request it made room for must not have fitted; and
-    a request priority made room for must come in in that same step (``made_room_for``)."""
+    a request priority made room for must come in in that same step (``made_room_for``).
+
+    It sees the scheduler through its allocator alone: while ``schedule`` decides, freeing a
+    sequence that was running when the step began is a preemption. One right after a failed
+    allocate is the victim loop's (that allocate must fail still); one before any failure is
+    priority's make-room for the head of the queue."""
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
+        self.allocator = sched.allocator
         self.last_failed: tuple[str, int] | None = None
         self.made_room_for: set[str] = set()
-        oracle, preempt = self, sched._preempt
+        self.running: list[Sequence] = []  # at the start of the step being decided
+        oracle = self
 
-        class Recording(type(sched.allocator)):  # copies (dry runs included) record too
+        class Recording(type(sched.allocator)):  # copies (dry runs) record nothing
             def allocate(self, seq_id: str, num_tokens: int):
                 result = super().allocate(seq_id, num_tokens)
-                if result is None:
-                    oracle.last_failed = (seq_id, num_tokens)
+                if self is oracle.allocator:
+                    oracle.last_failed = None if result is not None else (seq_id, num_tokens)
                 return result
 
-        def checked_preempt(victim: Sequence, out) -> None:
-            caller = sys._getframe(1).f_code.co_name
-            self.check(caller)
-            preempt(victim, out)
+            def free(self, seq_id: str) -> int:
+                if self is oracle.allocator:
+                    oracle.check(seq_id)
+                return super().free(seq_id)
 
         sched.allocator.__class__ = Recording
-        sched._preempt = checked_preempt
 
-    def check(self, caller: str) -> None:
+    def schedule(self, now: float) -> SchedulerOutput:
+        """``sched.schedule(now)``, every preemption it makes checked."""
+        self.running, self.last_failed = list(self.sched.running), None
+        try:
+            return self.sched.schedule(now)
+        finally:
+            self.running = []
+
+    def check(self, seq_id: str) -> None:
+        victim = next((s for s in self.running if s.request_id == seq_id), None)
+        if victim is None:
+            return  # not a preemption: a finish, or an admission given up
         sched = self.sched
-        failed = self.last_failed  # read first: the trial's own failures record too
-        trial: BlockAllocator = copy.deepcopy(sched.allocator)
-        if caller == "_schedule_running":
-            seq_id, num_tokens = failed
-            assert trial.allocate(seq_id, num_tokens) is None, "a victim nobody needed"
+        trial: BlockAllocator = copy.deepcopy(self.allocator)
+        if self.last_failed is not None:
+            assert trial.allocate(*self.last_failed) is None, "a victim nobody needed"
             return
-        assert caller == "_make_room", caller
+        assert isinstance(sched, PriorityScheduler), "a make-room preemption"
         head = sched.next_incoming()
         self.made_room_for.add(head.request_id)
-        # Decode-first: the running sequences take their tokens and blocks first.
+        # Decode-first: the running sequences (the victim still among them) take their tokens
+        # and blocks first, the most important first; a sequence whose tokens exceed the
+        # budget left computes none this step.
+        running = [s for s in self.running if s in sched.running or s is victim]
         budget, grown = sched.max_num_batched_tokens, True
-        for seq in sched._running_order():
-            n = sched._chunk(seq, budget)
+        for seq in sorted(running, key=sched.rank):
+            n = seq.num_uncomputed_tokens if seq.num_uncomputed_tokens <= budget else 0
             budget -= n
             grown &= trial.allocate(seq.request_id, seq.num_computed_tokens + n) is not None
         whole = head.num_tokens
         trial.match_prefix(head.request_id, head.token_ids[: whole + 1])
-        room = len(sched.running) < sched.max_num_seqs and sched._chunk(head, budget) > 0
+        room = len(running) < sched.max_num_seqs and 0 < head.num_uncomputed_tokens <= budget
         fitted = grown and trial.allocate(head.request_id, whole) is not None
         kept = trial.num_free_blocks() >= sched.watermark_blocks
         assert not (room and fitted and kept), f"preempted though {head.request_id} fitted"
@@ -207,7 +225,7 @@ def test_a_victim_loop_never_preempts_a_sequence_it_did_not_need(kind, policy, w
     for t in range(400):
         while pending and pending[0][0] <= t:
             sched.add(pending.pop(0)[2])
-        plan = step(sched, float(t))
+        plan = step(sched, float(t), oracle.schedule)
         came_in = {s.seq.request_id for s in plan.scheduled}
         came_in |= {s.seq.request_id for s in plan.swapped_in}
         assert oracle.made_room_for <= came_in, "preempted for a request that did not come in"

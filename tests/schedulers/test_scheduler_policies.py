@@ -3,22 +3,20 @@ prefill's budget and decode fairness; prefill-first; batch constraints; the swap
 
 from __future__ import annotations
 
-from functools import partial
-
 import mlx.core as mx
-import numpy as np
 import pytest
+from conftest import build_with_policy, random_prompts
 from reference import mlx_lm_tokens
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator
-from harness.engine import build_engine
 from harness.engine.kv_cache import KVArena
 from harness.engine.request import Sequence
 from harness.engine.sampling_params import SamplingParams
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler
+from schedulers.request import Status
 
 
 def greedy(n: int) -> SamplingParams:
@@ -26,17 +24,19 @@ def greedy(n: int) -> SamplingParams:
 
 
 def prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(1, 1024, n).tolist()
+    (drawn,) = random_prompts([n], seed)
+    return drawn
 
 
 def build(model, policy, *, num_blocks, block_size=4, max_model_len=None, **kwargs):
-    return build_engine(
+    return build_with_policy(
         model,
         FreeListAllocator,
-        partial(policy, **kwargs),
+        policy,
         block_size=block_size,
         num_blocks=num_blocks,
-        max_model_len=max_model_len,
+        engine_options={"max_model_len": max_model_len},
+        **kwargs,
     )
 
 
@@ -54,7 +54,8 @@ def test_priority_order_ties_by_arrival():
     sched = PriorityScheduler(FreeListAllocator(num_blocks=8, block_size=4))
     for i, (prio, arrival) in enumerate(zip([2, 1, 1, 0], [1, 3, 2, 4], strict=True)):
         sched.add(Sequence(str(i), [1, 2], greedy(1), arrival_time=arrival, priority=prio))
-    assert [s.request_id for s in sched._waiting_order()] == ["3", "2", "1", "0"]
+    # Room for all four: one step admits them, in the waiting order.
+    assert [s.seq.request_id for s in sched.schedule(5.0).scheduled] == ["3", "2", "1", "0"]
 
 
 def test_priority_admission_order_in_the_engine(model):
@@ -71,7 +72,7 @@ def test_aging_lets_an_old_low_priority_request_go_first():
         sched = PriorityScheduler(FreeListAllocator(num_blocks=8, block_size=4), aging_rate=rate)
         sched.add(Sequence("old", [1], greedy(1), arrival_time=0.0, priority=5))
         sched.add(Sequence("new", [1], greedy(1), arrival_time=10.0, priority=0))
-        return [s.request_id for s in sched._waiting_order()]
+        return [s.seq.request_id for s in sched.schedule(10.0).scheduled]
 
     assert order(0.0) == ["new", "old"]
     assert order(1.0) == ["old", "new"]  # effective 5 - 10 beats 0 - 0 after 10 s of waiting
@@ -104,29 +105,53 @@ def test_memory_pressure_preempts_the_chosen_victim(model, victim, expected):
         assert done[rid].outputs[0].token_ids == mlx_lm_tokens(model, prompt(n, seed), m)
 
 
-def test_victim_policies_pick_as_documented():
-    sched = PriorityScheduler(FreeListAllocator(num_blocks=8, block_size=4))
-    specs = {  # id: (priority, arrival, computed tokens, output tokens of max_tokens=10)
-        "a": (0, 0.0, 30, 2),
-        "b": (1, 1.0, 12, 9),
-        "c": (1, 2.0, 5, 1),
-    }
+VICTIM_SPECS = {  # id: (priority, arrival, computed tokens, output tokens of max_tokens=10)
+    "a": (0, 0.0, 30, 2),
+    "b": (1, 1.0, 12, 9),
+    "c": (1, 2.0, 5, 1),
+}
+
+
+def decoding_in_a_full_arena(victim: str, specs: dict) -> PriorityScheduler:
+    """``specs``' sequences running (admitted in their order), each with one token left to
+    compute, their computed tokens filling an arena of blocks of 2 exactly: one whose tokens
+    fill its last block needs another to grow, and only a victim can give it one."""
+    blocks = sum(computed // 2 + computed % 2 for _, _, computed, _ in specs.values())
+    sched = PriorityScheduler(FreeListAllocator(num_blocks=blocks, block_size=2), victim=victim)
     for rid, (prio, arrival, computed, outputs) in specs.items():
         seq = Sequence(rid, [1] * (computed + 1 - outputs), greedy(10), arrival, prio)
         seq.token_ids += [1] * outputs
         seq.num_computed_tokens = computed
+        seq.status = Status.RUNNING
+        sched.allocator.allocate(rid, computed)
         sched.running.append(seq)
-    expected = {
-        "priority": "c",  # lowest rank: priority 1, latest arrival
-        "fcfs": "c",  # latest admitted
-        "shortest_remaining": "b",  # 1 output token left
-        "recompute_cheapest": "c",  # 5 computed tokens
-    }
-    for policy, victim in expected.items():
-        sched.victim = policy
-        assert sched._victim(list(sched.running)).request_id == victim, policy
-    sched.victim = "recompute_cheapest"
-    assert sched._victim(sched.running[:2]).request_id == "b"
+    return sched
+
+
+@pytest.mark.parametrize(
+    "victim, expected",
+    [
+        ("priority", "c"),  # lowest rank: priority 1, latest arrival
+        ("fcfs", "c"),  # latest admitted
+        ("shortest_remaining", "b"),  # 1 output token left
+        ("recompute_cheapest", "c"),  # 5 computed tokens
+    ],
+)
+def test_victim_policies_pick_as_documented(victim, expected):
+    # 'a' (30 computed tokens: 15 full blocks) grows first and finds no free block; every
+    # running sequence is a candidate. The victim's blocks are enough for all the rest.
+    sched = decoding_in_a_full_arena(victim, VICTIM_SPECS)
+    assert [seq.request_id for seq, _ in sched.schedule(0.0).preempted] == [expected]
+
+
+def test_a_victim_is_picked_among_the_sequences_not_yet_scheduled():
+    # 'c' outranks the others here, so it grows first (its 6th slot is in its 3rd block);
+    # when 'a' then finds no free block, the cheapest to recompute among 'a' and 'b' goes.
+    specs = {**VICTIM_SPECS, "c": (-1, 2.0, 5, 1)}
+    sched = decoding_in_a_full_arena("recompute_cheapest", specs)
+    plan = sched.schedule(0.0)
+    assert [seq.request_id for seq, _ in plan.preempted] == ["b"]
+    assert [s.seq.request_id for s in plan.scheduled] == ["c", "a"]
 
 
 @pytest.mark.parametrize("victim", ["priority", "fcfs", "shortest_remaining", "recompute_cheapest"])

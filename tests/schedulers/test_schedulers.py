@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from functools import partial
 
-import numpy as np
 import pytest
-from conftest import ALLOCATORS
-from reference import mlx_lm_tokens
+from conftest import ALLOCATORS, build_with_policy
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
-from harness.engine import build_engine
 from harness.engine.sampling_params import SamplingParams
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
@@ -24,6 +21,7 @@ from schedulers.priority import PriorityScheduler
 from schedulers.request import Status
 
 PROMPT_LENS = [1, 5, 17, 40, 30, 16]
+PROMPT_SEED = 2
 MAX_TOKENS = 12
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -49,26 +47,15 @@ ARENAS = {
 }
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(2)
-    return [rng.integers(1, 1024, n).tolist() for n in PROMPT_LENS]
-
-
-@pytest.fixture(scope="module")
-def reference(model, prompts):
-    """mlx_lm's greedy tokens for each prompt."""
-    return [mlx_lm_tokens(model, p, MAX_TOKENS) for p in prompts]
-
-
 def build(model, allocator, policy, *, num_blocks, block_size=BLOCK, **kwargs):
-    return build_engine(
+    return build_with_policy(
         model,
         allocator,
-        partial(policy, **kwargs),
+        policy,
         block_size=block_size,
         num_blocks=num_blocks,
-        max_model_len=MAX_MODEL_LEN,
+        engine_options={"max_model_len": MAX_MODEL_LEN},
+        **kwargs,
     )
 
 

@@ -86,9 +86,6 @@ class Seq:
         return self.status is Status.FINISHED
 
 
-Sequence = Seq  # TEMPORARY until the branches merge
-
-
 @dataclass
 class CompletionOutput:
     """One completion of a request (``index`` of SamplingParams.n). Its lists are the

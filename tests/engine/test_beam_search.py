@@ -19,7 +19,7 @@ from harness.engine.beam_search import (
     score,
     top_candidates,
 )
-from harness.engine.request import Sequence
+from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_TOKENS = 6
@@ -60,7 +60,7 @@ def test_top_candidates_are_the_best_raw_logprobs_ties_by_token_id():
 
 
 def _seq(request_id, tokens, cum, num_prompt=2):
-    seq = Sequence(request_id, list(tokens), SamplingParams(), 0.0, num_prompt_tokens=num_prompt)
+    seq = Seq(request_id, list(tokens), SamplingParams(), 0.0, num_prompt_tokens=num_prompt)
     seq.cumulative_logprob = cum
     return seq
 

@@ -22,7 +22,7 @@ from allocators.free_list import FreeListAllocator
 from harness.cli.config import validate
 from harness.engine import build_engine
 from harness.engine.ngram import NGramProposer, ngram_lookup
-from harness.engine.request import Sequence
+from harness.engine.request import Seq
 from harness.engine.sampling import SampleRow, adjust_logits, filtered_probs
 from harness.engine.sampling_params import SamplingParams
 from harness.engine.speculative import LayerSkip, NGram, Proposal, Speculation, verify
@@ -136,7 +136,7 @@ def test_ngram_with_penalties_and_logprobs_matches_plain_decoding(model):
 
 
 def test_ngram_sampling_drafts_are_point_masses(model):
-    seq = Sequence("a", [1, 2, 3, 1, 2], SamplingParams(temperature=1.0, seed=0), 0.0)
+    seq = Seq("a", [1, 2, 3, 1, 2], SamplingParams(temperature=1.0, seed=0), 0.0)
     proposer = NGramProposer(NGram(3, prompt_lookup_max=2), model.vocab_size)
     (proposal,) = proposer.propose([Scheduled(seq, 4, num_draft_tokens=3)], lambda s, d: None)
     assert proposal.tokens == [3, 1, 2]

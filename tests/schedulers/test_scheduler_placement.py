@@ -20,7 +20,7 @@ from allocators.base import BlockAllocator
 from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.radix import RadixAllocator
-from harness.engine.request import Sequence
+from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams
 from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
@@ -38,7 +38,7 @@ POLICIES = {
 
 def request(rid: str, prompt: list[int], max_tokens: int, arrival: float = 0.0, priority=0):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return Sequence(rid, list(prompt), params, arrival_time=arrival, priority=priority)
+    return Seq(rid, list(prompt), params, arrival_time=arrival, priority=priority)
 
 
 def step(sched: Scheduler, now: float = 0.0, decide=None):
@@ -143,7 +143,7 @@ class PreemptionOracle:
         self.allocator = sched.allocator
         self.last_failed: tuple[str, int] | None = None
         self.made_room_for: set[str] = set()
-        self.running: list[Sequence] = []  # at the start of the step being decided
+        self.running: list[Seq] = []  # at the start of the step being decided
         oracle = self
 
         class Recording(type(sched.allocator)):  # copies (dry runs) record nothing

@@ -11,7 +11,7 @@ from reference import mlx_lm_tokens
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator
 from harness.engine.kv_cache import KVArena
-from harness.engine.request import Sequence
+from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
@@ -53,7 +53,7 @@ def run(engine, limit=2000):
 def test_priority_order_ties_by_arrival():
     sched = PriorityScheduler(FreeListAllocator(num_blocks=8, block_size=4))
     for i, (prio, arrival) in enumerate(zip([2, 1, 1, 0], [1, 3, 2, 4], strict=True)):
-        sched.add(Sequence(str(i), [1, 2], greedy(1), arrival_time=arrival, priority=prio))
+        sched.add(Seq(str(i), [1, 2], greedy(1), arrival_time=arrival, priority=prio))
     # Room for all four: one step admits them, in the waiting order.
     assert [s.seq.request_id for s in sched.schedule(5.0).scheduled] == ["3", "2", "1", "0"]
 
@@ -70,8 +70,8 @@ def test_priority_admission_order_in_the_engine(model):
 def test_aging_lets_an_old_low_priority_request_go_first():
     def order(rate):
         sched = PriorityScheduler(FreeListAllocator(num_blocks=8, block_size=4), aging_rate=rate)
-        sched.add(Sequence("old", [1], greedy(1), arrival_time=0.0, priority=5))
-        sched.add(Sequence("new", [1], greedy(1), arrival_time=10.0, priority=0))
+        sched.add(Seq("old", [1], greedy(1), arrival_time=0.0, priority=5))
+        sched.add(Seq("new", [1], greedy(1), arrival_time=10.0, priority=0))
         return [s.seq.request_id for s in sched.schedule(10.0).scheduled]
 
     assert order(0.0) == ["new", "old"]
@@ -119,7 +119,7 @@ def decoding_in_a_full_arena(victim: str, specs: dict) -> PriorityScheduler:
     blocks = sum(computed // 2 + computed % 2 for _, _, computed, _ in specs.values())
     sched = PriorityScheduler(FreeListAllocator(num_blocks=blocks, block_size=2), victim=victim)
     for rid, (prio, arrival, computed, outputs) in specs.items():
-        seq = Sequence(rid, [1] * (computed + 1 - outputs), greedy(10), arrival, prio)
+        seq = Seq(rid, [1] * (computed + 1 - outputs), greedy(10), arrival, prio)
         seq.token_ids += [1] * outputs
         seq.num_computed_tokens = computed
         seq.status = Status.RUNNING

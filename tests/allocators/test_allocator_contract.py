@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from conftest import allocator_options
+from support import allocator_options
 
 from allocators.base import NO_COPIES, BlockAllocator
 

@@ -26,7 +26,7 @@ LABELS = [
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
     """A finished 2x2 sweep at tiny sizes, as `kvbench -m` leaves it."""
-    from conftest import TINY, run_kvbench
+    from support import TINY, run_kvbench
 
     cwd = tmp_path_factory.mktemp("report")
     run_kvbench("-m", *TINY, "allocator=free_list,radix", "trace.rate=4,16", "sweep_id=s",

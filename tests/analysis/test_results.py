@@ -17,7 +17,7 @@ from harness.cli.run import run
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """Two finished runs and one unfinished folder, laid out as a Hydra sweep."""
-    from conftest import compose_config
+    from support import compose_config
 
     root = tmp_path_factory.mktemp("results")
     for allocator, rate in (("free_list", 4), ("buddy", 16)):

@@ -54,7 +54,7 @@ def test_every_table_column_is_defined(section: str, columns: tuple[str, ...]) -
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A real tiny run's folder."""
-    from conftest import compose_config
+    from support import compose_config
 
     out = tmp_path_factory.mktemp("run")
     run(compose_config(["warmup=0"]), out)

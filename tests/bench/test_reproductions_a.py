@@ -104,7 +104,7 @@ def test_padding_waste_batch_generator_holds_more_than_its_tokens(run_kvbench_at
 def run_kvbench_at(tmp_path: Path):
     """kvbench in ``tmp_path`` with exactly these arguments (no tiny trace: the experiments
     keep their own, shortened by the test)."""
-    from conftest import run_kvbench
+    from support import run_kvbench
 
     def call(*args: str):
         return run_kvbench(*args, cwd=tmp_path)

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import run_kvbench
+from support import run_kvbench
 
 from harness.analysis import metrics, results
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 from hydra import compose, initialize_config_dir
+from support import ROOT
 
 from harness.cli.calibrate import PROFILE_FILE, STEPS_FILE, Grid, calibrate, format_residuals
 from harness.cli.run import CONFIG_DIR, run

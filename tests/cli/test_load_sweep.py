@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY
+from support import ROOT, TINY
 
 from harness.analysis import compare, plots, results
 from harness.cli.load_sweep import RECORD_FILE, jobs, main, spread_rates, sweep

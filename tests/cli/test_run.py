@@ -125,7 +125,7 @@ def _interruptible() -> None:
 
 @pytest.mark.slow  # a 4-job sweep of 40-request jobs, run about 1.5 times: ~30 s here
 def test_interrupted_sweep_rerun_completes_only_missing_jobs(tmp_path: Path) -> None:
-    from conftest import TINY, run_kvbench
+    from support import TINY, run_kvbench
 
     # Longer jobs (40 requests each) so the interrupt lands while the sweep is running.
     args = ["-m", *TINY, "trace.num_requests=40", *SWEEP_2X2, "sweep_id=s"]
@@ -168,7 +168,7 @@ def test_a_stop_says_in_one_line_what_was_kept_and_exits_128_plus_signal(
 ) -> None:
     # SIGTERM: kill, timeout, a batch scheduler's time limit; it reaches a run that ignores
     # SIGINT (started in the background), and it keeps the rows as Ctrl-C does.
-    from conftest import ROOT, TINY
+    from support import ROOT, TINY
 
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
@@ -218,7 +218,7 @@ def test_run_ids_differ_within_one_second() -> None:
 
 @pytest.mark.slow  # two kvbench processes side by side: ~20 s here
 def test_two_runs_started_together_write_two_folders(tmp_path: Path) -> None:
-    from conftest import TINY
+    from support import TINY
 
     procs = [
         subprocess.Popen(

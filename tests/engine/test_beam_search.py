@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 import pytest
-from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import beam_search_reference, mlx_lm_tokens
+from support import ALLOCATORS, assert_all_free, build_with_policy
 
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
 from harness.engine.beam_search import (

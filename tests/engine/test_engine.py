@@ -14,8 +14,8 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import mlx_lm_tokens
+from support import ALLOCATORS, assert_all_free, build_with_policy
 
 from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator

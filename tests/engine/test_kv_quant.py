@@ -11,8 +11,8 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import beam_search_reference, mlx_lm_quantized_tokens, mlx_lm_tokens
+from support import ALLOCATORS, assert_all_free, build_with_policy
 
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator

@@ -12,8 +12,8 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ALLOCATORS, random_prompts
 from reference import mlx_lm_logprobs
+from support import ALLOCATORS, random_prompts
 
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator

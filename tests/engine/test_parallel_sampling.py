@@ -8,8 +8,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import mlx_lm_tokens
+from support import ALLOCATORS, assert_all_free, build_with_policy
 
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
 from harness.engine.sampling_params import SamplingParams, SamplingParamsError

@@ -12,8 +12,8 @@ from functools import partial
 
 import numpy as np
 import pytest
-from conftest import ALLOCATORS
 from reference import mlx_lm_tokens
+from support import ALLOCATORS
 
 from allocators.base import blocks_for
 from allocators.free_list import FreeListAllocator

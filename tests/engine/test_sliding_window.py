@@ -17,8 +17,8 @@ from functools import partial
 
 import pandas as pd
 import pytest
-from conftest import ALLOCATORS, assert_all_free, build_with_policy
 from reference import beam_search_reference, mlx_lm_tokens
+from support import ALLOCATORS, assert_all_free, build_with_policy
 
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator

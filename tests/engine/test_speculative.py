@@ -14,7 +14,7 @@ import hydra.utils
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ALLOCATORS
+from support import ALLOCATORS
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator

@@ -21,7 +21,7 @@ MODEL = ("engine.clock=model", f"engine.profile={PROFILE}", "warmup=0", "progres
 REAL = ("trace=offline", "trace.num_requests=12", "warmup=0", "progress=false")
 SMALL = ("engine.num_blocks=48",)  # an arena that preempts
 
-# name -> overrides (applied after tests/conftest.py's TINY ones)
+# name -> overrides (applied after tests/support.py's TINY ones)
 CASES: dict[str, tuple[str, ...]] = {
     **{
         f"alloc_{a}": (*MODEL, f"allocator={a}", "trace=shared_prefix", "trace.users_per_prompt=6")
@@ -70,7 +70,7 @@ def measured(name: str) -> bool:
 def run_case(name: str, out: Path) -> dict:
     """Run case ``name`` into ``out``; returns its tables by name (pandas frames)."""
     import pandas as pd
-    from conftest import compose_config
+    from support import compose_config
 
     from harness.cli.run import run
 

@@ -13,8 +13,8 @@ from functools import partial
 
 import hypothesis.strategies as st
 import pytest
-from conftest import allocator_options
 from hypothesis import given, settings
+from support import allocator_options
 
 from allocators.base import BlockAllocator
 from allocators.buddy import BuddyAllocator

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from conftest import build_with_policy, random_prompts
 from reference import mlx_lm_tokens
+from support import build_with_policy, random_prompts
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator

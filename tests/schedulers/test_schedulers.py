@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
-from conftest import ALLOCATORS, build_with_policy
+from support import ALLOCATORS, build_with_policy
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator

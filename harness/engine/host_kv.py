@@ -10,13 +10,16 @@ save targets.
     save_prefix_cache   the radix allocator's whole prefix cache, one file per tree path
     restore_prefix_cache  a snapshot back into free blocks, cached and held by nobody
 
-The scheduler places every block (``claim_prefix`` / ``index_prefix`` for a snapshot) and
-hands over a kept request's block table when it stops (``take_released``); this part only
-moves KV between the arena, host memory and files.
+``move_blocks`` applies a step's plan before its forward: swap-outs to host copies, block
+copies (the draft model's too), swap-ins from host copies. The scheduler places every block
+(``claim_prefix`` / ``index_prefix`` for a snapshot) and hands over a kept request's block
+table when it stops (``take_released``); this part only moves KV between the arena, host
+memory and files.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from functools import cached_property
 from pathlib import Path
@@ -27,8 +30,9 @@ from harness.engine.kv_cache import HostBlocks, KVFormat
 from harness.engine.model_runner import Runner
 from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams
+from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel
-from schedulers.base import Scheduler
+from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.prefix_snapshot import claim_prefix, index_prefix
 
 
@@ -36,12 +40,20 @@ class HostKV:
     """Host copies of requests' KV, save targets, and KV files to and from the arena."""
 
     def __init__(
-        self, model: LoadedModel, scheduler: Scheduler, runner: Runner, kv_format: KVFormat
+        self,
+        model: LoadedModel,
+        scheduler: Scheduler,
+        runner: Runner,
+        kv_format: KVFormat,
+        window: WindowGroup | None = None,
+        draft_runner: Runner | None = None,
     ) -> None:
         self.model = model
         self.scheduler = scheduler
         self.runner = runner
         self.kv_format = kv_format
+        self.window = window  # a model's sliding-window rings move with its blocks
+        self.draft_runner = draft_runner  # a draft model's arena (its block copies)
         self._copies: dict[str, HostBlocks] = {}  # swapped-out and restored requests' KV
         self._save_to: dict[str, Path] = {}  # where a finishing request's KV goes
 
@@ -78,6 +90,29 @@ class HostKV:
         """``request_id`` left: its host copy goes, and an aborted one's KV is not saved."""
         self._copies.pop(request_id, None)
         self._save_to.pop(request_id, None)
+
+    def move_blocks(self, plan: SchedulerOutput) -> float:
+        """Swap-outs, block copies, swap-ins: each block is read before a later op (or the
+        forward) reuses it. Returns the seconds the swaps took."""
+        swap_time = 0.0
+        if plan.swapped_out:
+            start = time.perf_counter()
+            for s in plan.swapped_out:
+                self.keep(s.seq.request_id, self.runner.swap_out(s.blocks))
+                if self.window is not None:
+                    self.window.swap_out(s.seq.request_id, s.ring)
+            swap_time += time.perf_counter() - start
+        self.runner.copy_blocks(plan.copies)  # a source may be a block a swap-in reuses
+        if plan.draft_copies:  # only a draft model's KV moves
+            self.draft_runner.copy_blocks(plan.draft_copies)
+        if plan.swapped_in:
+            start = time.perf_counter()
+            for s in plan.swapped_in:
+                self.runner.swap_in(self.take(s.seq.request_id), s.blocks, s.first)
+                if self.window is not None:
+                    self.window.swap_in(s.seq.request_id, s.ring)
+            swap_time += time.perf_counter() - start
+        return swap_time
 
     def restorable(
         self, request_id: str, path: str | Path, prompt: list[int], params: SamplingParams

@@ -1,6 +1,6 @@
-"""Request intake checks: a request's prompt as token ids (``tokenize``) and the parameter
-combinations this engine cannot run (``check_request``), before ``LLMEngine.add_request``
-queues anything.
+"""Request intake (``LLMEngine.add_request``): a request's prompt as token ids
+(``tokenize``), the parameter combinations this engine cannot run (``check_request``), then
+its sequence made, seeded and queued (``Intake``).
 
 Every check raises ``RequestError`` naming the request, the field and the fix; nothing is
 queued or reserved when one fails.
@@ -8,12 +8,17 @@ queued or reserved when one fails.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.engine.beam_search import BeamSearchParams
-from harness.engine.sampling_params import SamplingParams
+from harness.engine.beam_search import BeamGroup, BeamSearchParams
+from harness.engine.host_kv import HostKV
+from harness.engine.request import Seq
+from harness.engine.request_table import RequestTable
+from harness.engine.sampling_params import SamplingParams, make_rng
 from harness.platform.models import LoadedModel
+from schedulers.base import Scheduler
 
 Params = SamplingParams | BeamSearchParams  # how a request generates
 
@@ -104,3 +109,90 @@ def check_request(
             f"request {request_id!r}: SamplingParams.stop needs a tokenizer, and model "
             f"{model.name!r} has none; use stop_token_ids instead"
         )
+
+
+class Intake:
+    """Requests in: checked (nothing is queued when a check fails), their ids reserved, their
+    sequence made and seeded, queued with the scheduler, a KV file's prefix held on the host."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        requests: RequestTable,
+        host: HostKV,
+        scheduler: Scheduler,
+        lock: threading.RLock,
+        *,
+        seed: int,
+        speculative: bool,
+        has_window: bool,
+        logits: bool,
+    ) -> None:
+        self.model = model
+        self.requests = requests
+        self.host = host
+        self.scheduler = scheduler
+        self.lock = lock  # the engine's: the checks run outside it, the queueing inside
+        self.seed = seed
+        self.speculative = speculative
+        self.has_window = has_window
+        self.logits = logits
+
+    def add(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: Params,
+        arrived: float,
+        priority: int,
+        *,
+        ttft_slo: float | None,
+        tpot_slo: float | None,
+        save_kv: str | Path | None,
+        restore_kv: str | Path | None,
+    ) -> None:
+        """Queue a request (``LLMEngine.add_request``, which says what each argument is)."""
+        beam = params if isinstance(params, BeamSearchParams) else None
+        if beam is not None:
+            params = beam.beam_params()
+        tokens = tokenize(self.model, request_id, prompt)
+        check_request(
+            self.model,
+            request_id,
+            params,
+            beam,
+            speculative=self.speculative,
+            has_window=self.has_window,
+            save_kv=save_kv,
+            restore_kv=restore_kv,
+            logits=self.logits,
+        )
+        restored = None
+        if restore_kv:
+            restored = self.host.restorable(request_id, restore_kv, tokens, params)
+        with self.lock:
+            if taken := self.requests.ids_taken(request_id, params.n, beam is not None):
+                raise RequestError(
+                    f"request_id {request_id!r} is already in use ({taken[0]!r}): pick a new one"
+                )
+            seed = self.requests.reserve_seed(params.n, self.seed)
+            seq = Seq(
+                request_id=request_id,
+                token_ids=tokens,
+                params=params,
+                arrival_time=arrived,
+                priority=priority,
+                rng=make_rng(params, seed),
+                seed=params.seed if params.seed is not None else seed,
+                ttft_slo=ttft_slo,
+                tpot_slo=tpot_slo,
+            )
+            group = BeamGroup(beam, self.model.eos_token_ids, seq) if beam is not None else None
+            self.requests.add(seq, group)
+            if save_kv is not None:
+                self.host.save_at_finish(request_id, Path(save_kv))
+            num_restored = 0
+            if restored is not None:
+                num_restored, blocks = restored
+                self.host.keep(request_id, blocks)
+            self.scheduler.add(seq, restored=num_restored, keep_kv=save_kv is not None)

@@ -8,16 +8,17 @@ moves, then one batched forward through the model runner), samples, hands the st
 back and builds the outputs. It is composed of parts, each built with explicit arguments and
 the only writer of its own state:
 
-    requests   request_table.py  live sequences, completions (n > 1), beam searches, outputs owed
-    host       host_kv.py        host copies of KV, save targets, KV files in and out
-    outputs    outputs.py        logprobs in, RequestOutputs out
-    forks      forks.py          parallel sampling's completions, beam search's rounds
-    pipeline   pipeline.py       tokens left on the device one step (``pipeline``, off by default)
-    recorder   recorder.py       the steps and requests tables
+    requests  request_table.py  live sequences, completions (n > 1), beam searches, owed outputs
+    intake    intake.py         requests checked, made and queued
+    host      host_kv.py        block moves, host copies of KV, save targets, KV files
+    sampler   step_sampler.py   a step's logits into its tokens (verification, forks, beams)
+    outputs   outputs.py        logprobs in, RequestOutputs out
+    forks     forks.py          parallel sampling's completions, beam search's rounds
+    pipeline  pipeline.py       tokens left on the device one step (``pipeline``, off by default)
+    recorder  recorder.py       the steps and requests tables
 
-The plain and the pipelined step are two step functions, chosen when the engine is built.
-``intake.py`` checks a request before ``add_request`` queues it; ``builder.py``'s
-``build_engine`` sizes the arena and builds the parts.
+The plain and the pipelined step are two step functions, chosen when the engine is built
+(``build_engine`` in builder.py sizes the arena and builds the rest).
 """
 
 from __future__ import annotations
@@ -29,15 +30,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from allocators.base import BlockAllocator
 from harness.costmodel.work import StepWork
-from harness.engine.beam_search import BeamGroup, BeamSearchParams
 from harness.engine.clock import Clock, VirtualClock
 from harness.engine.forks import Forks
 from harness.engine.host_kv import HostKV
-from harness.engine.intake import Params, RequestError, check_request, tokenize
+from harness.engine.intake import Intake, Params
 from harness.engine.kv_cache import UNQUANTIZED, KVArena, KVFormat
 from harness.engine.model_runner import Forward, ModelRunner, Row, Runner
 from harness.engine.modelled import step_work
@@ -46,16 +45,9 @@ from harness.engine.pipeline import Pipeline
 from harness.engine.recorder import Recorder
 from harness.engine.request import RequestOutput, Seq
 from harness.engine.request_table import RequestTable
-from harness.engine.sampling import sample
-from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode, SamplingParams, make_rng
-from harness.engine.speculative import (
-    Proposal,
-    Proposer,
-    Verifications,
-    Verified,
-    verify,
-    verify_tokens,
-)
+from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode, SamplingParams
+from harness.engine.speculative import Proposal, Proposer, Verifications
+from harness.engine.step_sampler import StepSampler
 from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
@@ -94,11 +86,8 @@ class LLMEngine:
         model itself over an arena of ``allocator``'s blocks, stored in ``kv_format``
         (engine.kv_bits: 16, or quantized to 8 or 4 bits, harness/engine/kv_cache.py).
 
-        ``pipeline``: steps one deep (harness/engine/pipeline.py), off by default. On MLX's
-        CPU build async_eval returns only when all but the graph's last few dozen ops have
-        run, and the host then competes with the BLAS threads: pipelined decode measured
-        1-25 % slower, side by side. On Metal it is unmeasured, and a step's arena writes
-        dispatched while the previous step's reads are pending may copy whole layers."""
+        ``pipeline``: steps one deep (harness/engine/pipeline.py; off by default: on MLX's
+        CPU build pipelined decode measured 1-25 % slower, side by side, docs/design.md)."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"engine.logprobs_mode={logprobs_mode!r} is invalid: it must be one of "
@@ -123,23 +112,34 @@ class LLMEngine:
         self.allocator = allocator  # read for block tables; only the scheduler calls it
         self.scheduler = scheduler
         self.clock = clock or VirtualClock()
-        self.seed = seed
-        self.logprobs_mode = logprobs_mode
         if runner is None:
             arena = KVArena.for_model(model, allocator.num_blocks, allocator.block_size, kv_format)
             runner = ModelRunner(model, arena, window)
         self.runner = runner
         self.proposer = proposer  # proposes drafts, when speculating
         self.recorder = Recorder(enabled=record, measured=self.clock.measures)
-        self.requests = RequestTable()
-        self.host = HostKV(model, scheduler, runner, kv_format)
-        self.outputs = OutputProcessor(model, self.requests)
-        self.forks = Forks(self.requests, scheduler, runner, window, self.outputs, self.recorder)
-        self.pipeline = Pipeline(scheduler, self.requests) if pipeline else None
-        self._step = self._pipelined_step if pipeline else self._plain_step
         # One call at a time (steps, requests in and out); a caller may hold it to keep the
         # engine still.
         self.lock = threading.RLock()
+        self.requests = RequestTable()
+        draft_runner = proposer.runner if proposer is not None and proposer.runs_model else None
+        self.host = HostKV(model, scheduler, runner, kv_format, window, draft_runner)
+        self.outputs = OutputProcessor(model, self.requests)
+        self.forks = Forks(self.requests, scheduler, runner, window, self.outputs, self.recorder)
+        self.sampler = StepSampler(self.requests, self.outputs, self.forks, logprobs_mode)
+        self.intake = Intake(
+            model,
+            self.requests,
+            self.host,
+            scheduler,
+            self.lock,
+            seed=seed,
+            speculative=proposer is not None,
+            has_window=window is not None,
+            logits=runner.computes_logits,
+        )
+        self.pipeline = Pipeline(scheduler, self.requests) if pipeline else None
+        self._step = self._pipelined_step if pipeline else self._plain_step
 
     @property
     def arena(self) -> KVArena:
@@ -173,51 +173,17 @@ class LLMEngine:
         ``RequestError`` naming the field and the fix; nothing is queued then."""
         # Arrival is when the caller hands the request over, not when the lock is free.
         arrived = self.clock.now() if arrival_time is None else arrival_time
-        params = sampling_params or SamplingParams()
-        beam = params if isinstance(params, BeamSearchParams) else None
-        if beam is not None:
-            params = beam.beam_params()
-        tokens = tokenize(self.model, request_id, prompt)
-        check_request(
-            self.model,
+        self.intake.add(
             request_id,
-            params,
-            beam,
-            speculative=self.proposer is not None,
-            has_window=self.window is not None,
+            prompt,
+            sampling_params or SamplingParams(),
+            arrived,
+            priority,
+            ttft_slo=ttft_slo,
+            tpot_slo=tpot_slo,
             save_kv=save_kv,
             restore_kv=restore_kv,
-            logits=self.runner.computes_logits,
         )
-        restored = None
-        if restore_kv:
-            restored = self.host.restorable(request_id, restore_kv, tokens, params)
-        with self.lock:
-            if taken := self.requests.ids_taken(request_id, params.n, beam is not None):
-                raise RequestError(
-                    f"request_id {request_id!r} is already in use ({taken[0]!r}): pick a new one"
-                )
-            seed = self.requests.reserve_seed(params.n, self.seed)
-            seq = Seq(
-                request_id=request_id,
-                token_ids=tokens,
-                params=params,
-                arrival_time=arrived,
-                priority=priority,
-                rng=make_rng(params, seed),
-                seed=params.seed if params.seed is not None else seed,
-                ttft_slo=ttft_slo,
-                tpot_slo=tpot_slo,
-            )
-            group = BeamGroup(beam, self.model.eos_token_ids, seq) if beam is not None else None
-            self.requests.add(seq, group)
-            if save_kv is not None:
-                self.host.save_at_finish(request_id, Path(save_kv))
-            num_restored = 0
-            if restored is not None:
-                num_restored, blocks = restored
-                self.host.keep(request_id, blocks)
-            self.scheduler.add(seq, restored=num_restored, keep_kv=save_kv is not None)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state; its blocks are free when this returns."""
@@ -231,11 +197,8 @@ class LLMEngine:
                 return
             if request_id.rpartition("/")[0] in self.requests.beams:
                 return  # a beam's own id: the engine's, not a request (vLLM ignores those)
-            completions = self.requests.groups.get(request_id)
-            if completions:
-                ids = [s.request_id for s in completions if not s.finished]
-            else:
-                ids = [request_id]
+            completions = self.requests.groups.get(request_id) or []
+            ids = [s.request_id for s in completions if not s.finished] or [request_id]
             aborted = [self.scheduler.abort(rid, now, "aborted by the user") for rid in ids]
             aborted = [seq for seq in aborted if seq is not None]
             self._settle()
@@ -294,7 +257,7 @@ class LLMEngine:
             plan = self.scheduler.schedule(now)
             self._settle()
             outputs = self._collect_owed(plan, now)
-            swap_time = self._move_blocks(plan)
+            swap_time = self.host.move_blocks(plan)
             outputs += self._step(plan, start, now, swap_time)
             self._idle(plan, next_arrival)
             # One output per request: its completions progress together (n > 1).
@@ -330,29 +293,6 @@ class LLMEngine:
                 self.requests.remove(seq)
                 if seq.finish_reason is not None and seq.group_id not in beams:
                     self.recorder.request(seq)
-
-    def _move_blocks(self, plan: SchedulerOutput) -> float:
-        """Swap-outs, block copies, swap-ins: each block is read before a later op (or the
-        forward) reuses it. Returns the seconds the swaps took."""
-        swap_time = 0.0
-        if plan.swapped_out:
-            start = time.perf_counter()
-            for s in plan.swapped_out:
-                self.host.keep(s.seq.request_id, self.runner.swap_out(s.blocks))
-                if self.window is not None:
-                    self.window.swap_out(s.seq.request_id, s.ring)
-            swap_time += time.perf_counter() - start
-        self.runner.copy_blocks(plan.copies)  # a source may be a block a swap-in reuses
-        if plan.draft_copies:  # only a draft model's KV moves
-            self.proposer.runner.copy_blocks(plan.draft_copies)
-        if plan.swapped_in:
-            start = time.perf_counter()
-            for s in plan.swapped_in:
-                self.runner.swap_in(self.host.take(s.seq.request_id), s.blocks, s.first)
-                if self.window is not None:
-                    self.window.swap_in(s.seq.request_id, s.ring)
-            swap_time += time.perf_counter() - start
-        return swap_time
 
     def _plain_step(
         self,
@@ -500,87 +440,35 @@ class LLMEngine:
     def _postprocess(
         self, plan: SchedulerOutput, forward: Forward, step: _Step
     ) -> list[RequestOutput]:
-        """Take prompt logprobs, verify drafts and sample, then hand the step's tokens to the
-        scheduler (``Scheduler.update``: progress, forks, tokens, stops) and build the outputs:
-        a token's time is when it exists, so the clock is read after sampling. A runner
-        without a model chose the tokens itself (``forward.tokens``)."""
-        logits = forward.logits
-        requests = self.requests
-        sampling, verifying, offset = [], {}, 0  # rows that sample and verify, by logits row
-        for s in plan.scheduled:
-            seq = s.seq
-            if s.num_draft_tokens:  # the drafts proposed (n-gram lookup may find fewer)
-                verifying[seq] = offset
-                offset += len(step.proposals[seq].tokens) + 1
-                continue
-            if seq.params.prompt_logprobs is not None and (
-                positions := prompt_positions(seq, s.num_new_tokens)
-            ):
-                self.outputs.add_prompt_logprobs(
-                    seq, positions, logits[offset : offset + len(positions)]
-                )
-                offset += len(positions)
-            if s.samples:
-                sampling.append((seq, offset))
-                offset += 1
-        verified = self._verify(forward, verifying, step) if verifying else []
-        to_sample, picks = [], []
-        forks: list[tuple[Seq, Seq]] = []
-        offering: list[tuple[Seq, int]] = []  # beams offering candidates, and their row
-        if not (requests.beams or requests.groups):  # no beam offers, no completion forks
-            to_sample, picks = [seq for seq, _ in sampling], [row for _, row in sampling]
-            sampling = []
-        for seq, row in sampling:
-            if seq.group_id in requests.beams:
-                offering.append((seq, row))
-                continue
-            to_sample.append(seq)
-            picks.append(row)
-            # The prompt is done: n > 1 forks the other completions off it, each sampling
-            # its first token from the same logits.
-            if seq.params.n > 1 and len(requests.groups[seq.group_id]) == 1:
-                for child in self.forks.fork_completions(seq):
-                    forks.append((seq, child))
-                    to_sample.append(child)
-                    picks.append(row)
-        candidates = []
-        if offering:
-            rows = mx.array([i for _, i in offering], dtype=mx.int32)
-            candidates = np.array(logits[rows].astype(mx.float32))
-        if forward.tokens is not None:
-            chosen = forward.tokens.tolist()  # ints at once, not a numpy scalar per row
-            tokens, logprobs = [chosen[i] for i in picks], [None] * len(picks)
-        else:
-            # Rows of drafts or prompt logprobs beside the sampling ones, or forked
-            # completions sampling from one row: one row of logits per token drawn.
-            if picks != list(range(offset)):
-                logits = logits[mx.array(picks, dtype=mx.int32)] if picks else None
-            rows = [self.outputs.sample_row(seq) for seq in to_sample]
-            sampled = sample(logits, rows, self.logprobs_mode) if to_sample else []
-            tokens, logprobs = [p.token for p in sampled], [p.logprobs for p in sampled]
+        """Draw the step's tokens (``StepSampler``), then hand them to the scheduler
+        (``Scheduler.update``: progress, forks, tokens, stops) and build the outputs: a
+        token's time is when it exists, so the clock is read after sampling."""
+        drawn = self.sampler.draw(plan, forward, step.proposals)
+        step.verifications = drawn.verifications
         now = self.clock.after(time.perf_counter() - step.start)
-        results = StepResults({seq: got.tokens for seq, got in verified}, forks, now)
-        for seq, token in zip(to_sample, tokens, strict=True):
+        verified, sampled, tokens = drawn.verified, drawn.sampled, drawn.tokens
+        results = StepResults({seq: got.tokens for seq, got in verified}, drawn.forks, now)
+        for seq, token in zip(sampled, tokens, strict=True):
             results.tokens[seq] = [token]
         lengths = {seq: len(seq.token_ids) for seq, _ in verified} if verified else None
         forked = self.scheduler.update(plan, results)
         self._settle()
         if forked:
             self.forks.copy_forked(forked)
-        for seq, got in verified:
+        for seq, got in verified:  # the logprobs of the tokens kept, up to a stop
             if got.logprobs is not None:
-                for token, token_logprobs in zip(
-                    got.tokens[: len(seq.token_ids) - lengths[seq]], got.logprobs, strict=False
-                ):
+                kept = got.tokens[: len(seq.token_ids) - lengths[seq]]
+                for token, token_logprobs in zip(kept, got.logprobs, strict=False):
                     self.outputs.add_logprobs(seq, token, token_logprobs)
+        logprobs = drawn.logprobs
         if logprobs.count(None) != len(logprobs):
-            for seq, token, token_logprobs in zip(to_sample, tokens, logprobs, strict=True):
+            for seq, token, token_logprobs in zip(sampled, tokens, logprobs, strict=True):
                 if token_logprobs is not None:
                     self.outputs.add_logprobs(seq, token, token_logprobs)
-        outputs = self._report([seq for seq, _ in verified] + to_sample)
-        for (seq, _), row in zip(offering, candidates, strict=True):
-            outputs += self.forks.offer(seq, row, now)
-        if offering:
+        outputs = self._report([seq for seq, _ in verified] + sampled)
+        for seq, candidates in drawn.offering:
+            outputs += self.forks.offer(seq, candidates, now)
+        if drawn.offering:
             self._settle()
         return outputs
 
@@ -596,36 +484,6 @@ class LLMEngine:
             seen.add(seq.group_id)
             outputs += report_progress(seq)
         return outputs
-
-    def _verify(
-        self, forward: Forward, at: dict[Seq, int], step: _Step
-    ) -> list[tuple[Seq, Verified]]:
-        """Accept or reject each sequence's drafts (harness/engine/speculative.py): against
-        the target's logits, or the tokens a runner without a model chose."""
-        chosen = forward.tokens
-        table = np.array(forward.logits.astype(mx.float32)) if chosen is None else None
-        counts = step.verifications = Verifications()
-        verified = []
-        for seq, i in at.items():
-            proposal = step.proposals.pop(seq)
-            n = len(proposal.tokens)
-            if chosen is not None:
-                got = verify_tokens(chosen[i : i + n + 1], proposal)
-            else:
-                got = verify(
-                    table[i : i + n + 1],
-                    proposal,
-                    lambda j, s=seq, d=proposal.tokens: self.outputs.sample_row(s, d[:j]),
-                    self.logprobs_mode,
-                )
-            counts.proposed += n
-            counts.accepted += got.accepted
-            counts.rejected += got.accepted < n
-            counts.verifications += 1
-            seq.spec_proposed += n
-            seq.spec_accepted += got.accepted
-            verified.append((seq, got))
-        return verified
 
 
 class _Step:

@@ -1,0 +1,152 @@
+"""A step's logits into its tokens (vLLM's sampler and rejection sampler, around the batched
+sampler of sampling.py): prompt logprobs taken, drafts verified (speculative.py), the other
+completions of a request with n > 1 made when its prompt is done (each sampling its first
+token from the parent's row), the sampling rows drawn, and the beams' candidate rows read.
+Nothing goes to the scheduler here: the engine hands the result to ``Scheduler.update``.
+
+The logits come one row per position a ``Row`` asked for, in plan order: a row's prompt
+positions (prompt logprobs), then its sampling position, or a verification's last token and
+drafts. A runner without a model chose the tokens itself (``Forward.tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from harness.engine.forks import Forks
+from harness.engine.model_runner import Forward
+from harness.engine.outputs import OutputProcessor, prompt_positions
+from harness.engine.request import Seq
+from harness.engine.request_table import RequestTable
+from harness.engine.sampling import sample
+from harness.engine.sampling_params import LogprobsMode, TokenLogprobs
+from harness.engine.speculative import Proposal, Verifications, Verified, verify, verify_tokens
+from schedulers.output import SchedulerOutput
+
+
+@dataclass
+class Drawn:
+    """What one step's logits gave, in plan order: each verification's outcome, each
+    sampling sequence's token (and its logprobs, when asked), the completions forked off a
+    parent (which sample too), the beams' candidate rows, and the step's verification counts
+    (None without verifications)."""
+
+    verified: list[tuple[Seq, Verified]] = field(default_factory=list)
+    sampled: list[Seq] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    forks: list[tuple[Seq, Seq]] = field(default_factory=list)
+    offering: list[tuple[Seq, np.ndarray]] = field(default_factory=list)
+    verifications: Verifications | None = None
+
+
+class StepSampler:
+    """Draws a step's tokens from its forward (see the module docstring)."""
+
+    def __init__(
+        self,
+        requests: RequestTable,
+        outputs: OutputProcessor,
+        forks: Forks,
+        logprobs_mode: LogprobsMode,
+    ) -> None:
+        self.requests = requests
+        self.outputs = outputs
+        self.forks = forks
+        self.logprobs_mode = logprobs_mode
+
+    def draw(
+        self, plan: SchedulerOutput, forward: Forward, proposals: dict[Seq, Proposal]
+    ) -> Drawn:
+        """The step's tokens; ``proposals``: the drafts each verification fed."""
+        logits = forward.logits
+        requests = self.requests
+        drawn = Drawn()
+        sampling, verifying, offset = [], {}, 0  # rows that sample and verify, by logits row
+        for s in plan.scheduled:
+            seq = s.seq
+            if s.num_draft_tokens:  # the drafts proposed (n-gram lookup may find fewer)
+                verifying[seq] = offset
+                offset += len(proposals[seq].tokens) + 1
+                continue
+            if seq.params.prompt_logprobs is not None and (
+                positions := prompt_positions(seq, s.num_new_tokens)
+            ):
+                self.outputs.add_prompt_logprobs(
+                    seq, positions, logits[offset : offset + len(positions)]
+                )
+                offset += len(positions)
+            if s.samples:
+                sampling.append((seq, offset))
+                offset += 1
+        if verifying:
+            drawn.verified, drawn.verifications = self._verify(forward, verifying, proposals)
+        to_sample, picks = drawn.sampled, []
+        offering: list[tuple[Seq, int]] = []  # beams offering candidates, and their row
+        if not (requests.beams or requests.groups):  # no beam offers, no completion forks
+            to_sample += [seq for seq, _ in sampling]
+            picks = [row for _, row in sampling]
+            sampling = []
+        for seq, row in sampling:
+            if seq.group_id in requests.beams:
+                offering.append((seq, row))
+                continue
+            to_sample.append(seq)
+            picks.append(row)
+            # The prompt is done: n > 1 forks the other completions off it, each sampling
+            # its first token from the same logits.
+            if seq.params.n > 1 and len(requests.groups[seq.group_id]) == 1:
+                for child in self.forks.fork_completions(seq):
+                    drawn.forks.append((seq, child))
+                    to_sample.append(child)
+                    picks.append(row)
+        if offering:
+            rows = mx.array([i for _, i in offering], dtype=mx.int32)
+            candidates = np.array(logits[rows].astype(mx.float32))
+            drawn.offering = [(s, row) for (s, _), row in zip(offering, candidates, strict=True)]
+        if forward.tokens is not None:
+            chosen = forward.tokens.tolist()  # ints at once, not a numpy scalar per row
+            drawn.tokens, drawn.logprobs = [chosen[i] for i in picks], [None] * len(picks)
+            return drawn
+        # Rows of drafts or prompt logprobs beside the sampling ones, or forked completions
+        # sampling from one row: one row of logits per token drawn.
+        if picks != list(range(offset)):
+            logits = logits[mx.array(picks, dtype=mx.int32)] if picks else None
+        rows = [self.outputs.sample_row(seq) for seq in to_sample]
+        sampled = sample(logits, rows, self.logprobs_mode) if to_sample else []
+        drawn.tokens, drawn.logprobs = [p.token for p in sampled], [p.logprobs for p in sampled]
+        return drawn
+
+    def _verify(
+        self, forward: Forward, at: dict[Seq, int], proposals: dict[Seq, Proposal]
+    ) -> tuple[list[tuple[Seq, Verified]], Verifications]:
+        """Accept or reject each sequence's drafts (harness/engine/speculative.py): against
+        the target's logits, or the tokens a runner without a model chose. The one writer of
+        a sequence's speculative counts."""
+        chosen = forward.tokens
+        table = np.array(forward.logits.astype(mx.float32)) if chosen is None else None
+        counts = Verifications()
+        verified = []
+        for seq, i in at.items():
+            proposal = proposals[seq]
+            n = len(proposal.tokens)
+            if chosen is not None:
+                got = verify_tokens(chosen[i : i + n + 1], proposal)
+            else:
+                got = verify(
+                    table[i : i + n + 1],
+                    proposal,
+                    lambda j, s=seq, d=proposal.tokens: self.outputs.sample_row(s, d[:j]),
+                    self.logprobs_mode,
+                )
+            counts.proposed += n
+            counts.accepted += got.accepted
+            counts.rejected += got.accepted < n
+            counts.verifications += 1
+            seq.spec_proposed += n
+            seq.spec_accepted += got.accepted
+            verified.append((seq, got))
+        return verified, counts

@@ -139,11 +139,11 @@ class LLMEngine:
             logits=runner.computes_logits,
         )
         self.pipeline = Pipeline(scheduler, self.requests) if pipeline else None
-        self._step = self._pipelined_step if pipeline else self._plain_step
+        # The class's function: a bound method kept by its engine is a cycle (freed by GC).
+        self._step_fn = LLMEngine._pipelined_step if pipeline else LLMEngine._plain_step
 
     @property
-    def arena(self) -> KVArena:
-        """The full-attention layers' KV arena."""
+    def arena(self) -> KVArena:  # the full-attention layers' KV arena
         return self.runner.arena
 
     # -- requests ------------------------------------------------------------------------
@@ -258,7 +258,7 @@ class LLMEngine:
             self._settle()
             outputs = self._collect_owed(plan, now)
             swap_time = self.host.move_blocks(plan)
-            outputs += self._step(plan, start, now, swap_time)
+            outputs += self._step_fn(self, plan, start, now, swap_time)
             self._idle(plan, next_arrival)
             # One output per request: its completions progress together (n > 1).
             return list({out.request_id: out for out in outputs}.values())
@@ -267,19 +267,20 @@ class LLMEngine:
         """Outputs of aborts since the last step and of the requests the scheduler rejected
         this step (it finished them; a rejected beam ends its whole search)."""
         outputs = self.requests.take_owed() if self.requests.owed else []
+        ended = set()  # beam searches a rejection of one of their beams ended
         for seq, reason in plan.rejected:
             group = self.requests.beams.get(seq.group_id)
             if group is not None:
+                ended.add(seq.group_id)
                 outputs += self.forks.end_beams(group, "abort", now, reason)
                 self._settle()
-            elif seq.group_id not in self.requests.beams:
+            elif seq.group_id not in ended:
                 outputs.append(self.outputs.report(seq))
         return outputs
 
     def _settle(self) -> None:
-        """The sequences the scheduler let go since the last call: the KV of those that keep
-        it is saved (their blocks are free but not yet written), their host copies and rings
-        go, and each finished request's row goes to the recorder (a beam's is its search's)."""
+        """Who the scheduler let go: kept KV saved (freed blocks are unwritten until the next
+        step), host copies and rings dropped, each request's row recorded (a beam: none)."""
         progress = self.scheduler.progress
         if progress.released:
             for seq, table in progress.take_released():
@@ -473,8 +474,7 @@ class LLMEngine:
         return outputs
 
     def _report(self, progressed: list[Seq]) -> list[RequestOutput]:
-        """One output per request among the sequences that got tokens, built once all its
-        completions' tokens of the step are in."""
+        """One output per request of the sequences that got tokens, once all are in."""
         outputs = []
         seen = set()
         report_progress = self.outputs.report_progress

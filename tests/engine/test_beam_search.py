@@ -4,6 +4,7 @@ allocator, under memory pressure too; paged allocators share the beams' common b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -153,8 +154,7 @@ def test_eos_candidates_complete_and_the_length_penalty_ranks_them(model, prompt
     row = mlx_lm_logprobs(model, prompt)[-1]
     eos = int(np.argsort(-row)[1])
     for penalty, ignore_eos in [(0.0, False), (2.0, False), (1.0, True)]:
-        e = engine(model, ALLOCATORS[0])
-        e.model = type(e.model)(**{**e.model.__dict__, "eos_token_ids": (eos,)})
+        e = engine(dataclasses.replace(model, eos_token_ids=(eos,)), ALLOCATORS[0])
         params = BeamSearchParams(2, MAX_TOKENS, ignore_eos=ignore_eos, length_penalty=penalty)
         (out,) = e.generate([prompt], params)
         ref = beam_search_reference(model, prompt, 2, MAX_TOKENS, (eos,), penalty, ignore_eos)
@@ -221,8 +221,7 @@ def test_under_ignore_eos_a_beam_ending_in_eos_is_scored_one_token_shorter(model
     top = [int(t) for t in np.argsort(-row)[:3]]
     eos, third, n = top[1], top[2], len(prompt) + 1
     second = eos if row[eos] / (n - 1) > row[third] / n else third
-    e = engine(model, ALLOCATORS[0])
-    e.model = type(e.model)(**{**e.model.__dict__, "eos_token_ids": (eos,)})
+    e = engine(dataclasses.replace(model, eos_token_ids=(eos,)), ALLOCATORS[0])
     (out,) = e.generate([prompt], BeamSearchParams(2, max_tokens=1, ignore_eos=True))
     assert [c.token_ids for c in out.outputs] == [[top[0]], [second]]
     assert second == third  # here c2 / (L - 1) < c3 / L: raw order would have kept EOS

@@ -229,7 +229,7 @@ def test_a_token_is_stamped_when_it_exists_after_sampling(model, prompts, monkey
         time.sleep(0.2)
         return sample(*args, **kwargs)
 
-    monkeypatch.setattr("harness.engine.llm_engine.sample", slow)
+    monkeypatch.setattr("harness.engine.step_sampler.sample", slow)
     engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=64)
     # A sampled request: the host sampler runs (greedy ones sample on the device).
     sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=1)

@@ -43,6 +43,7 @@ from schedulers.limits import check_limits
 from schedulers.lookahead import Lookahead
 from schedulers.output import (  # noqa: F401  (re-exported: part of the contract)
     INFLIGHT,
+    Fork,
     Holding,
     KVStats,
     Preemption,
@@ -157,7 +158,7 @@ class Scheduler(ABC):
             self.finish(seq, "abort", now, abort_reason=reason)
         return seq
 
-    def fork(self, parent: Request, child: Request) -> Allocation | None:
+    def fork(self, parent: Request, child: Request) -> Fork | None:
         """Run ``child`` on ``parent``'s KV (n > 1, beams), shared or copied by the allocator;
         without room, at ``max_num_seqs`` or off a preempted parent, the child waits first in
         line to recompute."""
@@ -174,9 +175,11 @@ class Scheduler(ABC):
         child.num_cached_tokens = 0  # on the device by a fork: it looks nothing up
         child.status = Status.RUNNING
         self.running.append(child)
-        if self.rings is not None:
-            self.rings.take(child.request_id)
-        return alloc
+        rings = ()
+        if self.rings is not None:  # a ring is copied, never shared
+            ring = self.rings.take(child.request_id)
+            rings = tuple(zip(self.rings.table(parent.request_id), ring, strict=True))
+        return Fork(parent, child, tuple(alloc.copies), rings)
 
     def park(self, seq: Request) -> None:
         """``seq`` needs no step until ``unpark``; it keeps its blocks while memory allows."""
@@ -255,9 +258,7 @@ class Scheduler(ABC):
         return next(self._incoming(), None)
 
     # -- a step's results ----------------------------------------------------------------
-    def update(
-        self, plan: SchedulerOutput, results: StepResults
-    ) -> list[tuple[Request, Request, Allocation]]:
+    def update(self, plan: SchedulerOutput, results: StepResults) -> list[Fork]:
         """The plan's rows ran (vLLM v1's ``update_from_output``): KV progress, then the
         forks on their parents' KV, then each sequence's tokens up to a stop, which finishes
         it. Pending tokens (pipelined) are placeholders; one sure to be the last drains its
@@ -266,9 +267,9 @@ class Scheduler(ABC):
         progress.advance(plan, results.tokens)
         forked = []
         for parent, child in results.forks:
-            alloc = self.fork(parent, child)
-            if alloc is not None:
-                forked.append((parent, child, alloc))
+            fork = self.fork(parent, child)
+            if fork is not None:
+                forked.append(fork)
         if results.pending:
             for seq in results.tokens:
                 if seq.status is not Status.FINISHED:

@@ -96,6 +96,18 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+class Fork(NamedTuple):
+    """``child`` joined ``parent`` on its KV (``Scheduler.fork``): the block copies the
+    allocator asked for (copy-on-write, a region's copy) and, for a model with sliding-window
+    layers, the ring copies (parent's ring block, child's), taken at the fork, so the engine
+    can make them even if either has since stopped (their blocks unwritten until it does)."""
+
+    parent: Request
+    child: Request
+    copies: tuple[tuple[int, int], ...]
+    ring_copies: tuple[tuple[int, int], ...] = ()
+
+
 INFLIGHT = -1  # a sampled token still on the device (pipelined steps): its place in token_ids
 
 

@@ -22,7 +22,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from allocators.base import Allocation
 from harness.engine.beam_search import BeamGroup
 from harness.engine.model_runner import Runner
 from harness.engine.outputs import OutputProcessor
@@ -32,6 +31,7 @@ from harness.engine.request_table import RequestTable
 from harness.engine.sampling_params import make_rng
 from harness.engine.window import WindowGroup
 from schedulers.base import Scheduler
+from schedulers.output import Fork
 
 
 class Forks:
@@ -62,13 +62,13 @@ class Forks:
             for i in range(1, parent.params.n)
         ]
 
-    def copy_forked(self, forked: Sequence[tuple[Seq, Seq, Allocation]]) -> None:
+    def copy_forked(self, forked: Sequence[Fork]) -> None:
         """Children that got their parents' KV: copy the blocks their allocations say to
-        (copy-on-write), and a window model's ring, which is copied, never shared."""
-        for parent, child, allocation in forked:
-            self.runner.copy_blocks(allocation.copies)
+        (copy-on-write) and a window model's ring, which is copied, never shared."""
+        for fork in forked:
+            self.runner.copy_blocks(fork.copies)
             if self.window is not None:
-                self.window.fork(parent.request_id, child.request_id)
+                self.window.copy_ring(fork.ring_copies)
 
     def _child(self, parent: Seq, request_id: str, index: int, seed: int) -> Seq:
         """A sequence on ``parent``'s tokens, seeded with ``seed``, in the request table."""
@@ -129,9 +129,9 @@ class Forks:
     def _fork_beam(self, group: BeamGroup, parent: Seq) -> Seq:
         group.forks += 1
         child = self._child(parent, f"{group.root.request_id}/beam{group.forks}", 0, parent.seed)
-        allocation = self.scheduler.fork(parent, child)
-        if allocation is not None:  # its KV is the parent's
-            self.copy_forked([(parent, child, allocation)])
+        fork = self.scheduler.fork(parent, child)
+        if fork is not None:  # its KV is the parent's
+            self.copy_forked([fork])
         return child
 
     def _drop_beam(self, group: BeamGroup, beam: Seq) -> None:

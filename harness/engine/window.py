@@ -71,10 +71,10 @@ class WindowGroup:
         """``seq_id``'s ring (it runs, so it has one)."""
         return self.rings.table(seq_id)
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """``child_id`` continues from ``parent_id``'s KV: a copy of the parent's ring."""
-        pairs = zip(self.rings.table(parent_id), self.rings.table(child_id), strict=True)
-        self.arena.copy_blocks(list(pairs))
+    def copy_ring(self, copies: Sequence[tuple[int, int]]) -> None:
+        """A fork's ring copies (``schedulers.output.Fork.ring_copies``): the child continues
+        from a copy of its parent's ring."""
+        self.arena.copy_blocks(list(copies))
 
     def swap_out(self, seq_id: str, ring: Sequence[int]) -> None:
         """Copy the ring ``seq_id`` gave back this step to host memory."""

@@ -179,6 +179,20 @@ def test_parallel_sampling_forks_copy_the_ring(hybrid, prompts, allocator):
     assert_window_free(engine)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_completions_that_stop_on_their_first_token_still_got_the_ring(hybrid, prompts, max_tokens):
+    """n = 3 completions of 1 (or 2) tokens: each stops on the token the fork's step samples
+    (or the next), its ring given back in the same ``Scheduler.update`` that forked it; the
+    fork's ring copy was taken at the fork, so each token is still a lone request's."""
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=max_tokens, ignore_eos=True)
+    engine = build(hybrid)
+    (out,) = engine.generate([prompts[2]], dataclasses.replace(params, n=3))
+    for c in out.outputs:
+        (ref,) = build(hybrid).generate([prompts[2]], dataclasses.replace(params, seed=5 + c.index))
+        assert c.token_ids == ref.outputs[0].token_ids
+    assert_window_free(engine)
+
+
 def test_radix_takes_no_prefix_hits(hybrid, prompts):
     """A cached prefix holds the full layers' KV but not the window's: hybrid models read
     no prefix cache, and the tokens stay mlx_lm's."""

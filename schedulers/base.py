@@ -16,7 +16,7 @@ One step, decode-first (the default)::
     widen     speculative decoding: decodes verify drafts in the headroom (lookahead.py)
 
 Prefill-first (``prefill_first = True``) brings in before the running sequences. Parked
-sequences (a beam waiting for its siblings) need no step until ``unpark`` and are the first
+sequences (a beam waiting for its siblings) need no step until ``resume`` and are the first
 victims; a step that would run nothing while they hold blocks and others wait preempts them.
 
 The scheduler side is the one owner of every allocation and of each sequence's state: the
@@ -122,7 +122,7 @@ class Scheduler(ABC):
         # Waiting request -> leading tokens whose KV the engine holds in host memory
         # (restored from a file), written back when it is admitted instead of computed.
         self.restored: dict[str, int] = {}
-        self.parked: set[Request] = set()  # need no step until unparked (see park)
+        self.parked: set[Request] = set()  # need no step until resumed (see park)
         # Released to stop on a token still on the device (pipelined steps), by request id.
         self.draining: dict[str, Request] = {}
         self.num_lookahead_slots = num_lookahead_slots
@@ -182,10 +182,10 @@ class Scheduler(ABC):
         return Fork(parent, child, tuple(alloc.copies), rings)
 
     def park(self, seq: Request) -> None:
-        """``seq`` needs no step until ``unpark``; it keeps its blocks while memory allows."""
+        """``seq`` needs no step until ``resume``; it keeps its blocks while memory allows."""
         self.parked.add(seq)
 
-    def unpark(self, seq: Request, token: int) -> None:
+    def resume(self, seq: Request, token: int) -> None:
         """A parked beam goes on with ``token``, the one its search chose for it."""
         self.progress.append_chosen(seq, token)
         self.parked.discard(seq)
@@ -440,7 +440,7 @@ class Scheduler(ABC):
     def _add_row(out: SchedulerOutput, seq: Request, n: int, alloc: Allocation, budget: int) -> int:
         if alloc.copies:
             out.copies.extend(alloc.copies)
-        out.scheduled.append(Scheduled(seq, n, 0, 0, seq.num_computed_tokens + n == seq.num_tokens))
+        out.scheduled.append(Scheduled(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
         return budget - n
 
     def _preempt(self, seq: Request, out: SchedulerOutput) -> None:

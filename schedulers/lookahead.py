@@ -1,6 +1,6 @@
 """Speculative decoding's lookahead (``num_lookahead_slots = k > 0``, with a ``draft``
 allocator when a draft model proposes; the engine sets both): after the step is decided, each
-decode is widened to verify up to ``k`` draft tokens (``Scheduled(seq, 1 + k, k)``) when its
+decode is widened to verify up to ``k`` draft tokens (``Scheduled(seq, 1 + k, True, k)``) when its
 slots fit in the token budget, at least one free block per running sequence stays free, and
 the draft's arena (if any) has room for the draft's own slots: speculation only uses
 headroom, never preempts anyone. The slots are a reservation: a proposer may fill fewer
@@ -54,7 +54,7 @@ class Lookahead:
                     continue
                 draft.computed[rid] = s.seq.num_tokens + k - 1
                 out.draft_copies.extend(drafted.copies)
-            out.scheduled[i] = Scheduled(s.seq, k + 1, k, start, True)
+            out.scheduled[i] = Scheduled(s.seq, k + 1, True, k, start)
             budget -= k
         out.copies = simultaneous(copies)
         out.draft_copies = simultaneous(out.draft_copies)

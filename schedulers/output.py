@@ -38,9 +38,9 @@ class Scheduled(NamedTuple):
 
     seq: Request
     num_new_tokens: int
+    samples: bool  # its row ends at the sequence's end: it yields a token
     num_draft_tokens: int = 0
     draft_start: int = 0
-    samples: bool = False  # its row ends at the sequence's end: it yields a token
 
 
 @dataclass(frozen=True)

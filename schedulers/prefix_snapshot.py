@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from allocators.base import BlockAllocator, blocks_for
+from allocators.base import blocks_for
+from schedulers.base import Scheduler
 
 PREFIX_SLOT = "\0restore-prefix-cache"  # a scratch sequence no request is
 
 
-def claim_prefix(alloc: BlockAllocator, token_ids: Sequence[int]) -> tuple[int, list[int]] | None:
+def claim_prefix(scheduler: Scheduler, token_ids: Sequence[int]) -> tuple[int, list[int]] | None:
     """Blocks for one path of a prefix-cache snapshot, ``token_ids`` (whole blocks): the
     tokens the cache already holds and the blocks to write the rest into, after which
     ``index_prefix`` caches them, held by nobody. None, holding nothing, when the free
     blocks cannot take the rest (the caller stops rather than evict what it restored)."""
+    alloc = scheduler.allocator
     have = alloc.match_prefix(PREFIX_SLOT, [*token_ids, -1])  # every full block may match
     if alloc.stats().free_blocks < blocks_for(len(token_ids) - have, alloc.block_size):
         alloc.free(PREFIX_SLOT)
@@ -25,7 +27,7 @@ def claim_prefix(alloc: BlockAllocator, token_ids: Sequence[int]) -> tuple[int, 
     return have, alloc.block_table(PREFIX_SLOT)[have // alloc.block_size :]
 
 
-def index_prefix(alloc: BlockAllocator, token_ids: Sequence[int]) -> None:
+def index_prefix(scheduler: Scheduler, token_ids: Sequence[int]) -> None:
     """The claimed blocks hold ``token_ids``' KV: cache them and let go."""
-    alloc.commit(PREFIX_SLOT, token_ids)
-    alloc.free(PREFIX_SLOT)
+    scheduler.allocator.commit(PREFIX_SLOT, token_ids)
+    scheduler.allocator.free(PREFIX_SLOT)

@@ -113,9 +113,11 @@ class BeamGroup:
         self.offers[beam] = top_candidates(logits, self.params.num_candidates)
         return len(self.offers) == len(self.beams)
 
-    def select(self) -> list[tuple[Seq, int, float]]:
-        """End the round: (parent, token, cumulative logprob) of the next beams, best first.
-        Candidates that end in EOS become completed hypotheses."""
+    def select(self, now: float) -> list[tuple[Seq, int, float]]:
+        """End the round, whose tokens exist at ``now``: (parent, token, cumulative logprob)
+        of the next beams, best first. Candidates that end in EOS become completed
+        hypotheses."""
+        self.round_times.append(now)
         survivors = []
         for beam in self.beams:
             for token, logprob in self.offers[beam]:
@@ -135,6 +137,20 @@ class BeamGroup:
     @property
     def width(self) -> int:
         return self.params.beam_width
+
+    def name_child(self) -> str:
+        """The request id of the next beam forked off a chosen one: ``ID/beam<k>``."""
+        self.forks += 1
+        return f"{self.root.request_id}/beam{self.forks}"
+
+    def drop(self, beam: Seq) -> None:
+        """``beam`` left the search (not chosen, or the search ended): count its
+        preemptions, which the request's row reports."""
+        self.preemptions += beam.preemptions
+
+    def go_on(self, beams: list[Seq]) -> None:
+        """The next round's live beams, best first."""
+        self.beams = beams
 
     def finish(self, reason: str) -> list[Hypothesis]:
         """The live beams join the completed; the best ``beam_width`` by score, best first."""

@@ -105,8 +105,7 @@ class Forks:
         not chosen is dropped first (its blocks free), one chosen k times forks k - 1
         children on its KV, then each beam appends its token. The search ends after
         ``max_tokens`` rounds, at the model length, or when no candidate is left."""
-        chosen = group.select()
-        group.round_times.append(now)
+        chosen = group.select(now)
         kept = {parent for parent, _, _ in chosen}
         for beam in group.beams:
             if beam not in kept:
@@ -118,8 +117,8 @@ class Forks:
             beams.append((beam, token, total))
         for beam, token, total in beams:
             beam.cumulative_logprob = total
-            self.scheduler.unpark(beam, token)
-        group.beams = [beam for beam, _, _ in beams]
+            self.scheduler.resume(beam, token)
+        group.go_on([beam for beam, _, _ in beams])
         if not group.beams:
             return self.end_beams(group, "stop", now)
         if self.scheduler.progress.at_length(group.beams[0]):  # the beams are all one length
@@ -127,8 +126,7 @@ class Forks:
         return []
 
     def _fork_beam(self, group: BeamGroup, parent: Seq) -> Seq:
-        group.forks += 1
-        child = self._child(parent, f"{group.root.request_id}/beam{group.forks}", 0, parent.seed)
+        child = self._child(parent, group.name_child(), 0, parent.seed)
         fork = self.scheduler.fork(parent, child)
         if fork is not None:  # its KV is the parent's
             self.copy_forked([fork])
@@ -138,7 +136,7 @@ class Forks:
         """A beam leaves the search: its blocks go, it records no row of its own."""
         if not beam.finished:  # a rejected beam is already gone
             self.scheduler.finish(beam)
-        group.preemptions += beam.preemptions
+        group.drop(beam)
 
     def end_beams(
         self, group: BeamGroup, reason: str, now: float, abort_reason: str | None = None

@@ -169,7 +169,7 @@ class HostKV:
                 warnings.warn(f"{e}; skipped", persistence.KVRestoreWarning, stacklevel=2)
                 continue
             tokens = saved.token_ids[: len(saved.token_ids) // bs * bs]
-            claimed = claim_prefix(self.scheduler.allocator, tokens)
+            claimed = claim_prefix(self.scheduler, tokens)
             if claimed is None:
                 warnings.warn(
                     f"prefix-cache restore stopped at {path.name} ({i} of {len(files)} "
@@ -180,7 +180,7 @@ class HostKV:
                 break
             have, blocks = claimed
             self.runner.swap_in(saved.blocks, blocks, have // bs)
-            index_prefix(self.scheduler.allocator, tokens)
+            index_prefix(self.scheduler, tokens)
             restored += len(tokens) - have
         return restored
 

@@ -46,8 +46,9 @@ from harness.engine.recorder import Recorder
 from harness.engine.request import RequestOutput, Seq
 from harness.engine.request_table import RequestTable
 from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode, SamplingParams
-from harness.engine.speculative import Proposal, Proposer, Verifications
+from harness.engine.speculative import Proposer
 from harness.engine.step_sampler import StepSampler
+from harness.engine.step_state import StepState
 from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
@@ -99,6 +100,14 @@ class LLMEngine:
             raise ValueError(
                 "a draft proposer and the scheduler's num_lookahead_slots go together: build "
                 "a speculative engine with build_engine(..., speculative=Speculation(...))"
+            )
+        stopping = scheduler.progress.stopping
+        if stopping.eos_token_ids != tuple(model.eos_token_ids) or (
+            (stopping.detokenize is None) != (model.tokenizer is None)
+        ):
+            raise ValueError(
+                f"the scheduler's stop checks are not model {model.name!r}'s (its EOS ids and "
+                "detokenizer): build the engine with build_engine, which gives them"
             )
         if (window is None) != (not model.window_layers):
             raise ValueError(
@@ -255,45 +264,48 @@ class LLMEngine:
         with self.lock:
             start, now = time.perf_counter(), self.clock.now()
             plan = self.scheduler.schedule(now)
-            self._settle()
             outputs = self._collect_owed(plan, now)
             swap_time = self.host.move_blocks(plan)
             outputs += self._step_fn(self, plan, start, now, swap_time)
-            self._idle(plan, next_arrival)
+            self._wait_for_batch(plan, next_arrival)
             # One output per request: its completions progress together (n > 1).
             return list({out.request_id: out for out in outputs}.values())
 
     def _collect_owed(self, plan: SchedulerOutput, now: float) -> list[RequestOutput]:
         """Outputs of aborts since the last step and of the requests the scheduler rejected
-        this step (it finished them; a rejected beam ends its whole search)."""
+        this step (it finished them; a rejected beam ends its search, ``_settle``)."""
         outputs = self.requests.take_owed() if self.requests.owed else []
-        ended = set()  # beam searches a rejection of one of their beams ended
-        for seq, reason in plan.rejected:
-            group = self.requests.beams.get(seq.group_id)
-            if group is not None:
-                ended.add(seq.group_id)
-                outputs += self.forks.end_beams(group, "abort", now, reason)
-                self._settle()
-            elif seq.group_id not in ended:
+        beams = self.requests.beams
+        searches = {seq.group_id for seq, _ in plan.rejected if seq.group_id in beams}
+        outputs += self._settle()
+        for seq, _ in plan.rejected:
+            if seq.group_id not in searches:  # one output per request, all its completions in
+                searches.add(seq.group_id)
                 outputs.append(self.outputs.report(seq))
         return outputs
 
-    def _settle(self) -> None:
-        """Who the scheduler let go: kept KV saved (freed blocks are unwritten until the next
-        step), host copies and rings dropped, each request's row recorded (a beam: none)."""
-        progress = self.scheduler.progress
+    def _settle(self) -> list[RequestOutput]:
+        """Who the scheduler let go: kept KV saved (before this step writes a block), host
+        copies and rings dropped, each request's row recorded in the order they left (a
+        beam's is its search's: a rejected beam ends its search). Returns ended searches'."""
+        progress, outputs = self.scheduler.progress, []
         if progress.released:
             for seq, table in progress.take_released():
                 self.host.save(seq, table)
-        if progress.finished:
+        while progress.finished:  # a search that ends drops its other beams
             window, beams = self.window, self.requests.beams
             for seq in progress.take_finished():
                 self.host.forget(seq.request_id)
                 if window is not None:
                     window.drop(seq.request_id)
                 self.requests.remove(seq)
-                if seq.finish_reason is not None and seq.group_id not in beams:
+                group = beams.get(seq.group_id)
+                if group is None and seq.finish_reason is not None:
                     self.recorder.request(seq)
+                elif group is not None and seq.finish_reason == "abort":  # rejected
+                    reason = seq.abort_reason
+                    outputs += self.forks.end_beams(group, "abort", seq.finish_time, reason)
+        return outputs
 
     def _plain_step(
         self,
@@ -301,12 +313,12 @@ class LLMEngine:
         start: float,
         now: float,
         swap_time: float,
-        step: _Step | None = None,
+        step: StepState | None = None,
     ) -> list[RequestOutput]:
         """Launch the forward, take the step's memory figures while it computes, wait for
         its logits, sample and hand the results to the scheduler; record the step. The clock
         advances by the step's measured duration (or its price, on a model clock)."""
-        step = step or _Step(start)
+        step = step or StepState(start)
         forward, work = self._launch(plan, step, None)
         snapshot = self._snapshot(plan, step)
         outputs = []
@@ -325,7 +337,7 @@ class LLMEngine:
         leaves the tokens there, reading the previous step's while it computes; any other
         step first reads them, then runs plainly (harness/engine/pipeline.py)."""
         pipeline = self.pipeline
-        step = _Step(start)
+        step = StepState(start)
         if not pipeline.on_device(plan):
             outputs = self._resolve(start, step)
             # A sequence that stopped on the token just read runs no more.
@@ -340,7 +352,7 @@ class LLMEngine:
         self._record(plan, snapshot, now, swap_time, forward, work, step)
         return outputs
 
-    def _resolve(self, start: float, step: _Step) -> list[RequestOutput]:
+    def _resolve(self, start: float, step: StepState) -> list[RequestOutput]:
         """The last step's tokens, read from the device: the scheduler takes them."""
         if not self.pipeline.busy:
             return []
@@ -352,13 +364,13 @@ class LLMEngine:
         return self._report(resolved)
 
     def _launch(
-        self, plan: SchedulerOutput, step: _Step, carried: mx.array | None, on_device=False
+        self, plan: SchedulerOutput, step: StepState, carried: mx.array | None, on_device=False
     ):
         """Build the rows' forward and start it (the clock is charged the step's work);
         ``on_device``: the tokens are its logits' argmax, left on the device."""
         forward = None
         if plan.scheduled:
-            forward = self.runner.forward(self._rows(plan, step), carried)
+            forward = self.runner.forward(self._build_rows(plan, step), carried)
         # The step's work, priced by a model clock (a measuring clock ignores it).
         drafted = self.proposer is not None and self.proposer.runs_model
         work = step_work(plan, forward.work if forward else StepWork(), drafted)
@@ -372,13 +384,13 @@ class LLMEngine:
             step.waited += time.perf_counter() - launched
         return forward, work
 
-    def _snapshot(self, plan: SchedulerOutput, step: _Step) -> dict | None:
+    def _snapshot(self, plan: SchedulerOutput, step: StepState) -> dict | None:
         """The step's memory and queues, taken while its forward computes."""
         stats = kv_stats(self.scheduler) if self.recorder.enabled else None
         proposed = {seq: len(p.tokens) for seq, p in step.proposals.items()}
         return self.recorder.snapshot(stats, plan, proposed)
 
-    def _record(self, plan, snapshot, now, swap_time, forward, work, step: _Step) -> None:
+    def _record(self, plan, snapshot, now, swap_time, forward, work, step: StepState) -> None:
         """The step's row: the clock advances by its measured duration (or, on a model
         clock, by the price of its ``work``)."""
         duration = self.clock.advance(time.perf_counter() - step.start)
@@ -394,7 +406,7 @@ class LLMEngine:
             work=work,
         )
 
-    def _idle(self, plan: SchedulerOutput, next_arrival: float | None) -> None:
+    def _wait_for_batch(self, plan: SchedulerOutput, next_arrival: float | None) -> None:
         """The scheduler lets a bigger batch form: idle until it stops holding, or until the
         next arrival the driver knows of, whichever comes first."""
         if plan.hold_until is not None:
@@ -402,7 +414,7 @@ class LLMEngine:
             self.clock.wait_until(wake)
 
     # -- inside a step -------------------------------------------------------------------
-    def _rows(self, plan: SchedulerOutput, step: _Step) -> list[Row]:
+    def _build_rows(self, plan: SchedulerOutput, step: StepState) -> list[Row]:
         """The runner's rows: each scheduled sequence's new tokens (and drafts to verify).
 
         Run once per sequence per step: what only some rows need (drafts, tokens carried
@@ -439,7 +451,7 @@ class LLMEngine:
         return rows
 
     def _postprocess(
-        self, plan: SchedulerOutput, forward: Forward, step: _Step
+        self, plan: SchedulerOutput, forward: Forward, step: StepState
     ) -> list[RequestOutput]:
         """Draw the step's tokens (``StepSampler``), then hand them to the scheduler
         (``Scheduler.update``: progress, forks, tokens, stops) and build the outputs: a
@@ -484,17 +496,3 @@ class LLMEngine:
             seen.add(seq.group_id)
             outputs += report_progress(seq)
         return outputs
-
-
-class _Step:
-    """What one step gathers as it goes: its start (``perf_counter``), the seconds the host
-    waited on MLX, the drafts proposed, the verifications, the tokens left on the device."""
-
-    __slots__ = ("start", "waited", "proposals", "verifications", "tokens")
-
-    def __init__(self, start: float) -> None:
-        self.start = start
-        self.waited = 0.0
-        self.proposals: dict[Seq, Proposal] = {}
-        self.verifications: Verifications | None = None
-        self.tokens: mx.array | None = None

@@ -73,7 +73,7 @@ def test_a_round_keeps_the_best_width_and_completes_eos_candidates():
     next beams are a+5 and b+5."""
     a, b = _seq("r", [1, 2, 3], -1.0), _seq("r/beam1", [1, 2, 4], -1.5)
     group = BeamGroup(BeamSearchParams(beam_width=2, length_penalty=1.0), (9,), a)
-    group.beams = [a, b]
+    group.go_on([a, b])
     offers = {a: {5: 0.1, 9: 0.2, 6: 2.0, 7: 3.0}, b: {9: 0.05, 5: 0.3, 6: 0.4, 8: 4.0}}
     for beam, cost in offers.items():
         logits = np.full(16, -1e9)
@@ -82,7 +82,8 @@ def test_a_round_keeps_the_best_width_and_completes_eos_candidates():
         # Each row's log-softmax is -cost + log Z: subtract it back out by hand below.
         assert group.offer(beam, logits) is (beam is b)
     z = {beam: math.log(sum(math.exp(-c) for c in cost.values())) for beam, cost in offers.items()}
-    chosen = group.select()
+    chosen = group.select(now=1.0)
+    assert group.round_times == [1.0]
     assert [(p, t) for p, t, _ in chosen] == [(a, 5), (b, 5)]
     assert chosen[0][2] == pytest.approx(-1.0 - 0.1 - z[a])
     done = {tuple(h.output_token_ids): h for h in group.completed}

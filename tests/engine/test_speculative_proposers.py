@@ -138,7 +138,7 @@ def test_ngram_with_penalties_and_logprobs_matches_plain_decoding(model):
 def test_ngram_sampling_drafts_are_point_masses(model):
     seq = Seq("a", [1, 2, 3, 1, 2], SamplingParams(temperature=1.0, seed=0), 0.0)
     proposer = NGramProposer(NGram(3, prompt_lookup_max=2), model.vocab_size)
-    (proposal,) = proposer.propose([Scheduled(seq, 4, num_draft_tokens=3)], lambda s, d: None)
+    (proposal,) = proposer.propose([Scheduled(seq, 4, True, num_draft_tokens=3)], lambda s, d: None)
     assert proposal.tokens == [3, 1, 2]
     for token, q in zip(proposal.tokens, proposal.probs, strict=True):
         assert q[token] == 1.0 and q.sum() == 1.0

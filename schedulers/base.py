@@ -199,9 +199,9 @@ class Scheduler(ABC):
         stop_reason: str | int | None = None,
         abort_reason: str | None = None,
     ) -> None:
-        """The one way a sequence leaves, whatever ends it (a stop, an abort, a rejection, a
-        beam dropped: ``reason`` None): its blocks go back, the queues forget it, and it is
-        FINISHED at ``now`` (``Progress.close``). Cached blocks may stay shared."""
+        """The way a sequence leaves, whatever ends it (a stop, an abort, a beam dropped:
+        ``reason`` None; a rejection, met while a queue is read, takes ``_let_go`` alone): its
+        blocks go back, the queues forget it, it is FINISHED at ``now`` (``Progress.close``)."""
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)

@@ -152,7 +152,8 @@ class Progress:
 
     def take_released(self) -> list[tuple[Request, tuple[int, ...] | None]]:
         """Sequences whose KV is kept that gave their blocks back since the last call, each
-        with its block table then (None: not on the device). The blocks are free but
-        unwritten until the next step's block moves and forward."""
+        with its block table then (None: not on the device). The blocks are free: the
+        engine takes these before anything writes a block again (a fork's copy, the next
+        step's moves and forward)."""
         released, self.released = self.released, []
         return released

@@ -2,7 +2,9 @@
 sampler of sampling.py): prompt logprobs taken, drafts verified (speculative.py), the other
 completions of a request with n > 1 made when its prompt is done (each sampling its first
 token from the parent's row), the sampling rows drawn, and the beams' candidate rows read.
-Nothing goes to the scheduler here: the engine hands the result to ``Scheduler.update``.
+The engine hands the result to ``Scheduler.update``; here the completions are only made (in
+the request table), the scheduler forks them, and the prompt logprobs and speculative counts
+are written (the output processor's and this sampler's).
 
 The logits come one row per position a ``Row`` asked for, in plan order: a row's prompt
 positions (prompt logprobs), then its sampling position, or a verification's last token and

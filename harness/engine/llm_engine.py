@@ -264,14 +264,14 @@ class LLMEngine:
         with self.lock:
             start, now = time.perf_counter(), self.clock.now()
             plan = self.scheduler.schedule(now)
-            outputs = self._collect_owed(plan, now)
+            outputs = self._collect_owed(plan)
             swap_time = self.host.move_blocks(plan)
             outputs += self._step_fn(self, plan, start, now, swap_time)
             self._wait_for_batch(plan, next_arrival)
             # One output per request: its completions progress together (n > 1).
             return list({out.request_id: out for out in outputs}.values())
 
-    def _collect_owed(self, plan: SchedulerOutput, now: float) -> list[RequestOutput]:
+    def _collect_owed(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Outputs of aborts since the last step and of the requests the scheduler rejected
         this step (it finished them; a rejected beam ends its search, ``_settle``)."""
         outputs = self.requests.take_owed() if self.requests.owed else []

@@ -445,7 +445,8 @@ class LLMEngine:
             on_device = ((end - 1 - start, carried[seq]),) if s.samples and seq in carried else ()
             if seq.params.prompt_logprobs is not None:
                 # Prompt logprobs want logits at the prompt positions before the sampling one.
-                num_logits += len(prompt_positions(seq, s.num_new_tokens))
+                positions = step.prompt_positions[seq] = prompt_positions(seq, s.num_new_tokens)
+                num_logits += len(positions)
             ring = window.table(seq.request_id) if window is not None else ()
             rows.append(Row(fed, start, table(seq.request_id), num_logits, on_device, ring))
         return rows
@@ -456,7 +457,7 @@ class LLMEngine:
         """Draw the step's tokens (``StepSampler``), then hand them to the scheduler
         (``Scheduler.update``: progress, forks, tokens, stops) and build the outputs: a
         token's time is when it exists, so the clock is read after sampling."""
-        drawn = self.sampler.draw(plan, forward, step.proposals)
+        drawn = self.sampler.draw(plan, forward, step.proposals, step.prompt_positions)
         step.verifications = drawn.verifications
         now = self.clock.after(time.perf_counter() - step.start)
         verified, sampled, tokens = drawn.verified, drawn.sampled, drawn.tokens

@@ -20,7 +20,7 @@ import numpy as np
 
 from harness.engine.forks import Forks
 from harness.engine.model_runner import Forward
-from harness.engine.outputs import OutputProcessor, prompt_positions
+from harness.engine.outputs import OutputProcessor
 from harness.engine.request import Seq
 from harness.engine.request_table import RequestTable
 from harness.engine.sampling import sample
@@ -61,9 +61,15 @@ class StepSampler:
         self.logprobs_mode = logprobs_mode
 
     def draw(
-        self, plan: SchedulerOutput, forward: Forward, proposals: dict[Seq, Proposal]
+        self,
+        plan: SchedulerOutput,
+        forward: Forward,
+        proposals: dict[Seq, Proposal],
+        prompt_positions: dict[Seq, range],
     ) -> Drawn:
-        """The step's tokens; ``proposals``: the drafts each verification fed."""
+        """The step's tokens; ``proposals``: the drafts each verification fed;
+        ``prompt_positions``: the prompt positions each row asked logits for (its rows'
+        layout, as the engine built them)."""
         logits = forward.logits
         requests = self.requests
         drawn = Drawn()
@@ -74,9 +80,7 @@ class StepSampler:
                 verifying[seq] = offset
                 offset += len(proposals[seq].tokens) + 1
                 continue
-            if seq.params.prompt_logprobs is not None and (
-                positions := prompt_positions(seq, s.num_new_tokens)
-            ):
+            if prompt_positions and (positions := prompt_positions.get(seq)):
                 self.outputs.add_prompt_logprobs(
                     seq, positions, logits[offset : offset + len(positions)]
                 )

@@ -276,7 +276,8 @@ class LLMEngine:
         this step (it finished them; a rejected beam ends its search, ``_settle``)."""
         outputs = self.requests.take_owed() if self.requests.owed else []
         beams = self.requests.beams
-        searches = {seq.group_id for seq, _ in plan.rejected if seq.group_id in beams}
+        rejected = plan.rejected  # most steps reject nobody: then no pass over them
+        searches = {s.group_id for s, _ in rejected if s.group_id in beams} if rejected else set()
         outputs += self._settle()
         for seq, _ in plan.rejected:
             if seq.group_id not in searches:  # one output per request, all its completions in

@@ -324,6 +324,16 @@ class BlockAllocator(ABC):
         ``max_len``, buddy rounding); shared blocks count for each holder."""
         return self._held_count(self._state(seq_id)) * self.block_size
 
+    def holdings(self, seq_ids: Iterable[str]) -> list[tuple[int, int, list[int]]]:
+        """Per sequence, in order: ``(num_tokens, held_slots, block_table)`` in one call
+        (the tables live, as ``block_table``'s): a step's memory snapshot of its batch."""
+        seqs, bs, count = self._seqs, self.block_size, self._held_count
+        try:
+            states = [seqs[seq_id] for seq_id in seq_ids]
+        except KeyError as unknown:
+            raise self._unknown(unknown.args[0]) from None
+        return [(s.num_tokens, count(s) * bs, s.table) for s in states]
+
     def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
         """Free blocks that cannot serve a new sequence of ``num_tokens`` slots: those in
         runs or regions too small for its region (external fragmentation in the vLLM
@@ -406,8 +416,12 @@ class BlockAllocator(ABC):
     def _state(self, seq_id: str) -> SeqState:
         s = self._seqs.get(seq_id)
         if s is None:
-            raise ValueError(f"unknown seq_id {seq_id!r}: allocate or match_prefix it first")
+            raise self._unknown(seq_id)
         return s
+
+    @staticmethod
+    def _unknown(seq_id: str) -> ValueError:
+        return ValueError(f"unknown seq_id {seq_id!r}: allocate or match_prefix it first")
 
     def _write_limit(self, s: SeqState) -> int:
         """Slots ``s`` can grow to in place: to the end of its last block, unless that

@@ -44,7 +44,6 @@ from schedulers.lookahead import Lookahead
 from schedulers.output import (  # noqa: F401  (re-exported: part of the contract)
     INFLIGHT,
     Fork,
-    Holding,
     KVStats,
     Preemption,
     Scheduled,

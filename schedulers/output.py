@@ -128,17 +128,6 @@ class StepResults:
     pending: bool = False
 
 
-class Holding(NamedTuple):
-    """A running sequence's allocation as a step leaves it: slots allocated, slots of the
-    blocks it holds (region slack included) and its block table (one per running sequence
-    per step: a named tuple, as ``Scheduled``)."""
-
-    seq: Request
-    num_tokens: int
-    held_slots: int
-    table: tuple[int, ...]
-
-
 @dataclass(frozen=True)
 class KVStats:
     """The scheduler's view of memory and queues for one step (``Scheduler.stats``): what
@@ -148,7 +137,10 @@ class KVStats:
     or buddies too small for its region; 0 when nobody waits)."""
 
     blocks: AllocatorStats
-    running: tuple[Holding, ...]
+    running: tuple[Request, ...]
+    # Per running sequence: (slots allocated, slots of the blocks it holds (region slack
+    # included), its live block table: read it before the allocator changes again).
+    holdings: list[tuple[int, int, list[int]]]
     num_waiting: int
     num_swapped: int
     unusable_free_blocks: int

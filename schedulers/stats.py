@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from schedulers.base import Scheduler
-from schedulers.output import Holding, KVStats
+from schedulers.output import KVStats
 from schedulers.request import Status
 
 
@@ -12,14 +12,8 @@ def kv_stats(scheduler: Scheduler) -> KVStats:
     """``scheduler``'s memory and queues as its plan leaves them (the recorder's one view of
     both, taken each step while the forward computes)."""
     alloc = scheduler.allocator
-    num_tokens, held_slots, table = alloc.num_tokens, alloc.held_slots, alloc.block_table
-    running = tuple(
-        [
-            Holding(seq, num_tokens(rid), held_slots(rid), tuple(table(rid)))
-            for seq in scheduler.running
-            for rid in (seq.request_id,)
-        ]
-    )
+    running = tuple(scheduler.running)
+    holdings = alloc.holdings([seq.request_id for seq in running])
     head = scheduler.next_incoming()
     unusable = 0
     if head is not None:
@@ -28,6 +22,7 @@ def kv_stats(scheduler: Scheduler) -> KVStats:
     return KVStats(
         blocks=alloc.stats(),
         running=running,
+        holdings=holdings,
         num_waiting=len(scheduler.waiting),
         num_swapped=len(scheduler.swapped),
         unusable_free_blocks=unusable,

@@ -30,17 +30,18 @@ from harness.analysis.metrics import STEP_SCHEMA
 from harness.costmodel.work import StepWork
 from harness.engine.request import Seq
 from harness.engine.speculative import Verifications
-from schedulers.output import Holding, KVStats, SchedulerOutput
+from schedulers.output import KVStats, SchedulerOutput
 
 
 class _Holding:
     """One allocation of a sequence (admission to release) and the steps it was live in."""
 
-    __slots__ = ("entries", "written")
+    __slots__ = ("entries", "written", "table")
 
     def __init__(self) -> None:
         self.entries: list[tuple[int, int, int]] = []  # (step, held slots, written)
         self.written = 0  # slots written as of the latest step
+        self.table: list[int] = []  # its block table as the latest step counted it
 
 
 class Recorder:
@@ -59,10 +60,8 @@ class Recorder:
         }
         self._num_steps = 0
         self._live: dict[tuple[Seq, int], _Holding] = {}  # by (sequence, preemptions)
-        # The running tables as the last step counted them, and how many of them hold each
-        # block (its keys: the distinct blocks), kept up to date as tables grow rather than
-        # recounted every step.
-        self._tables: dict[Seq, tuple[int, ...]] = {}
+        # How many running tables hold each block (its keys: the distinct blocks), kept up
+        # to date as tables change rather than recounted every step.
         self._holders: dict[int, int] = {}
 
     def step_columns(self) -> dict[str, np.ndarray]:
@@ -141,21 +140,36 @@ class Recorder:
         row: dict = {}
         index = self._num_steps  # this step's row
         unwritten = 0  # allocated slots not written by the end of this step
-        live = self._live
-        for held in stats.running:
-            seq = held.seq
+        refs = 0  # table entries: a block once per table that holds it
+        live, holders = self._live, self._holders
+        current = set()
+        for seq, (num_tokens, held_slots, table) in zip(stats.running, stats.holdings, strict=True):
             written = seq.num_computed_tokens + new.get(seq, 0)
-            unwritten += held.num_tokens - written
-            holding = live.get(key := (seq, seq.preemptions))
+            unwritten += num_tokens - written
+            key = (seq, seq.preemptions)
+            current.add(key)
+            holding = live.get(key)
             if holding is None:
                 holding = live[key] = _Holding()
-            holding.entries.append((index, held.held_slots, written))
+            holding.entries.append((index, held_slots, written))
             holding.written = written
+            refs += len(table)
+            if holding.table != table:  # most steps: a decode within its last block
+                _count_table(holders, holding.table, table)
+                holding.table = table.copy()
+        # Allocations live at the previous step and not now have ended: their tables
+        # uncount, and their slots settle (in the order they started).
+        ended = [key for key in live if key not in current] if len(live) > len(current) else ()
+        if ended:
+            columns = self._columns
+            for key in ended:
+                holding = live.pop(key)
+                _uncount(holders, holding.table)
+                _settle(holding, columns["slots_future"], columns["slots_internal"], index)
         tokens = blocks.used_slots - unwritten
         # External fragmentation as the vLLM paper means it: free blocks that cannot serve
         # the request next in line (runs or buddies too small for its region).
         unusable = stats.unusable_free_blocks
-        refs = self._count_tables(stats.running)
         bs = blocks.block_size
         row.update(
             prefill_tokens=prefill,
@@ -178,41 +192,7 @@ class Recorder:
             window_blocks_used=stats.window_blocks_used,
             mlx_active_bytes=mx.get_active_memory() if self.measured else 0,
         )
-        # Allocations live at the previous step and not now have ended: settle them.
-        ended = [k for k, h in live.items() if h.entries[-1][0] != index]
-        columns = self._columns
-        for key in ended:
-            _settle(live.pop(key), columns["slots_future"], columns["slots_internal"], index)
         return row
-
-    def _count_tables(self, running: tuple[Holding, ...]) -> int:
-        """Count the running tables' blocks into ``_holders``; returns their sum of lengths.
-
-        A table that only grew since the last step (a decode, a chunk: the common case)
-        adds its new blocks; any other change (copy-on-write, relocation, trim, a table
-        seen for the first time) recounts it whole, and tables no longer running uncount."""
-        holders, before = self._holders, self._tables
-        now = {}
-        refs = 0
-        for held in running:
-            seq, table = held.seq, held.table
-            old = before.pop(seq, ())
-            now[seq] = table
-            refs += len(table)
-            if table == old:  # most steps: a decode within its last block
-                continue
-            n = len(old)
-            if n and table[:n] == old:
-                added = table[n:]
-            else:
-                _uncount(holders, old)
-                added = table
-            for block in added:
-                holders[block] = holders.get(block, 0) + 1
-        for old in before.values():
-            _uncount(holders, old)
-        self._tables = now
-        return refs
 
     def step(
         self,
@@ -268,7 +248,21 @@ def _settle(holding: _Holding, future, internal, num_steps: int) -> None:
             internal[step] -= moved
 
 
-def _uncount(holders: dict[int, int], table: tuple[int, ...]) -> None:
+def _count_table(holders: dict[int, int], old: list[int], table: list[int]) -> None:
+    """Recount a table that changed since it was last counted: a table that only grew (a
+    decode into a new block, a chunk) adds its new blocks; any other change (copy-on-write,
+    relocation, trim) recounts it whole."""
+    n = len(old)
+    if n and table[:n] == old:
+        added = table[n:]
+    else:
+        _uncount(holders, old)
+        added = table
+    for block in added:
+        holders[block] = holders.get(block, 0) + 1
+
+
+def _uncount(holders: dict[int, int], table: list[int]) -> None:
     for block in table:
         left = holders[block] - 1
         if left:

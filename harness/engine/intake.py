@@ -38,12 +38,14 @@ def tokenize(model: LoadedModel, request_id: str, prompt: str | Sequence[int]) -
             )
         tokens = list(model.tokenizer.encode(prompt))
     else:
-        tokens = [int(t) for t in prompt]
+        tokens = list(prompt)
+        if not set(map(type, tokens)) <= {int}:  # numpy ints, say: Python ints, checked
+            tokens = [int(t) for t in tokens]
     if not tokens:
         raise RequestError(f"request {request_id!r}: the prompt is empty; give >= 1 token")
     vocab = model.vocab_size
-    bad = next((t for t in tokens if not 0 <= t < vocab), None)
-    if bad is not None:
+    if min(tokens) < 0 or max(tokens) >= vocab:  # at C speed; then find the first bad one
+        bad = next(t for t in tokens if not 0 <= t < vocab)
         raise RequestError(
             f"request {request_id!r}: prompt token id {bad} is outside the vocabulary [0, {vocab})"
         )

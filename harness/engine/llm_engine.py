@@ -53,6 +53,7 @@ from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.output import StepResults
+from schedulers.request import Status
 from schedulers.stats import kv_stats
 
 
@@ -493,6 +494,9 @@ class LLMEngine:
         seen = set()
         report_progress = self.outputs.report_progress
         for seq in progressed:
+            # A request that asked for its final output only gets none before it finishes.
+            if seq.status is not Status.FINISHED and seq.params.output_kind == "final_only":
+                continue
             if seq.group_id in seen:
                 continue
             seen.add(seq.group_id)

@@ -12,6 +12,7 @@ preemption, each step's progress), ``num_cached_tokens``, ``num_forked_tokens`` 
 from __future__ import annotations
 
 import enum
+from collections.abc import MutableSequence
 from typing import Protocol
 
 
@@ -48,7 +49,7 @@ class Request(Protocol):
     num_forked_tokens: int
     first_scheduled_time: float | None
     preemptions: int
-    token_times: list[float]
+    token_times: MutableSequence[float]  # an array('d') in the engine's Seq
     first_token_time: float | None
     finish_reason: str | None
     finish_time: float | None

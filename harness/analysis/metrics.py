@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -137,14 +138,21 @@ def _is_missing(v: Any) -> bool:
 # Validators and normalisers of the non-numeric kinds, applied value by value. pandas may
 # store a missing string as NaN and parquet returns lists as numpy arrays; the tables' own
 # conventions are None and list[float].
+def _floats(values) -> np.ndarray:
+    """``values`` as a float64 array, without a copy when they already are one."""
+    if isinstance(values, array) and values.typecode == "d":
+        return np.frombuffer(values, dtype=np.float64)
+    return np.asarray(values, dtype=np.float64)
+
+
 _OBJECT_KINDS = {
     "str": (lambda v: isinstance(v, str), lambda v: v),
     "str|None": (lambda v: _is_missing(v) or isinstance(v, str), lambda v: v),
     "list[float]": (
-        lambda v: isinstance(v, (list, tuple, np.ndarray)),
-        # a list is kept as it is (the recorder's rows): copying every request's times
-        # would double the table's largest column
-        lambda v: v if type(v) is list else [float(x) for x in v],
+        lambda v: isinstance(v, (list, tuple, np.ndarray, array)),
+        # kept without a copy where it can be (the recorder's rows hold float arrays, 8
+        # bytes a value): copying every request's times would double the largest column
+        lambda v: v if type(v) is list else _floats(v),
     ),
 }
 

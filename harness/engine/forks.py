@@ -17,6 +17,7 @@ rounds and ends searches; the request table keeps them.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -155,7 +156,7 @@ class Forks:
             first_token_time=times[0] if times else float("nan"),
             finish_time=now,
             output_tokens=len(times),
-            token_times=list(times),
+            token_times=array("d", times),
             preemptions=group.preemptions,
             finish_reason=reason,
             abort_reason=abort_reason,

@@ -103,7 +103,7 @@ class Recorder:
             "abort_reason": seq.abort_reason,
             "ttft_slo": nan if seq.ttft_slo is None else seq.ttft_slo,
             "tpot_slo": nan if seq.tpot_slo is None else seq.tpot_slo,
-            "token_times": list(seq.token_times),
+            "token_times": seq.token_times,  # the sequence has left: its array, uncopied
             "spec_proposed": seq.spec_proposed,
             "spec_accepted": seq.spec_accepted,
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,7 +44,8 @@ class Seq:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    # When each output token existed on the host: 8 bytes a token (a list of floats: 32).
+    token_times: array = field(default_factory=lambda: array("d"))
     finish_reason: str | None = None
     abort_reason: str | None = None
     stop_reason: str | int | None = None

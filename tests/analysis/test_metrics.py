@@ -190,7 +190,7 @@ def test_parquet_round_trip_and_extra_columns_kept(tmp_path, hand_tables):
     requests, _ = hand_tables
     requests.to_parquet(tmp_path / "r.parquet")
     back = requests_frame(pd.read_parquet(tmp_path / "r.parquet"))
-    assert back["token_times"].tolist() == requests["token_times"].tolist()
+    assert [list(t) for t in back["token_times"]] == requests["token_times"].tolist()
     assert back["abort_reason"].tolist() == [None, None, None, "client"]
     steps = steps_frame([_step(0, 1, 1, 1, 1, kernel_time=0.1)])
     assert list(steps.columns) == [*STEP_COLUMNS, "kernel_time"]

@@ -75,7 +75,7 @@ def test_token_times_are_the_profiles_prices_of_the_steps(model, tmp_path):
     while engine.has_unfinished_requests():
         engine.step()
     (row,) = engine.recorder.requests
-    assert row["token_times"] == pytest.approx([0.100, 0.110, 0.120])
+    assert list(row["token_times"]) == pytest.approx([0.100, 0.110, 0.120])
     assert row["output_tokens"] == 3
     steps = engine.recorder.steps
     assert [s["duration"] for s in steps] == pytest.approx([0.100, 0.010, 0.010])
@@ -111,7 +111,7 @@ def test_a_prefill_beside_a_decode_is_a_mixed_step(model, tmp_path):
     engine.add_request("b", [1, 2, 3], greedy(1), arrival_time=0.05)
     while engine.has_unfinished_requests():
         engine.step()
-    times = {r["request_id"]: r["token_times"] for r in engine.recorder.requests}
+    times = {r["request_id"]: list(r["token_times"]) for r in engine.recorder.requests}
     kinds = [(s["batch_size"], s["query_tokens_padded"]) for s in engine.recorder.steps]
     if kinds[1] == (2, 4):  # grouped apart: a's 1 + b's 3 query tokens, no padding
         assert times["a"] == pytest.approx([0.050, 0.050 + 0.010 + 4 * 0.025])

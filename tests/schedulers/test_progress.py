@@ -53,7 +53,7 @@ def test_update_moves_progress_appends_stamps_and_finishes_at_a_stop():
     assert (row.num_new_tokens, row.samples) == (4, True)  # the whole prompt, then a token
     sched.update(plan, StepResults({a: [11]}, now=1.5))
     assert a.num_computed_tokens == 4 and a.token_ids == [5, 6, 7, 8, 11]
-    assert a.token_times == [1.5] and a.first_token_time == 1.5
+    assert list(a.token_times) == [1.5] and a.first_token_time == 1.5
     assert a.status is Status.RUNNING and sched.allocator.stats().used_blocks == 1
     plan = sched.schedule(2.0)  # a decode: token 11 goes in, a fifth slot, a second block
     sched.update(plan, StepResults({a: [EOS]}, now=2.5))
@@ -83,7 +83,7 @@ def test_a_verification_keeps_its_accepted_drafts_and_drops_what_follows_a_stop(
     assert sched.allocator.num_tokens("a") == 8  # 5 tokens and 3 draft slots
     sched.update(plan, StepResults({a: [12, 13, 9]}, now=2.0))
     assert a.num_computed_tokens == 7 and a.output_token_ids == [11, 12, 13, 9]
-    assert a.token_times == [1.0, 2.0, 2.0, 2.0]
+    assert list(a.token_times) == [1.0, 2.0, 2.0, 2.0]
     assert (a.finish_reason, a.stop_reason) == ("stop", 9)
     assert sched.allocator.stats().used_blocks == 0
 
@@ -98,7 +98,7 @@ def test_a_pending_token_sure_to_be_the_last_gives_the_blocks_back_before_it_is_
     assert sched.has_unfinished()  # until its token is read
     sched.resolve(a, 11, now=3.0)
     assert a.output_token_ids == [11] and a.finish_reason == "length"
-    assert a.token_times == [3.0] and not sched.draining and not sched.has_unfinished()
+    assert list(a.token_times) == [3.0] and not sched.draining and not sched.has_unfinished()
 
 
 def test_every_exit_is_finish_and_an_abort_saves_no_kv():

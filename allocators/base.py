@@ -324,15 +324,18 @@ class BlockAllocator(ABC):
         ``max_len``, buddy rounding); shared blocks count for each holder."""
         return self._held_count(self._state(seq_id)) * self.block_size
 
+    def block_tables(self, seq_ids: Iterable[str]) -> list[list[int]]:
+        """``block_table`` of each sequence, in order, in one call: a step's batch."""
+        return [s.table for s in self._states(seq_ids)]
+
     def holdings(self, seq_ids: Iterable[str]) -> list[tuple[int, int, list[int]]]:
         """Per sequence, in order: ``(num_tokens, held_slots, block_table)`` in one call
         (the tables live, as ``block_table``'s): a step's memory snapshot of its batch."""
-        seqs, bs, count = self._seqs, self.block_size, self._held_count
-        try:
-            states = [seqs[seq_id] for seq_id in seq_ids]
-        except KeyError as unknown:
-            raise self._unknown(unknown.args[0]) from None
-        return [(s.num_tokens, count(s) * bs, s.table) for s in states]
+        bs = self.block_size
+        if type(self)._held_count is BlockAllocator._held_count:  # it holds its table
+            return [(s.num_tokens, len(s.table) * bs, s.table) for s in self._states(seq_ids)]
+        count = self._held_count
+        return [(s.num_tokens, count(s) * bs, s.table) for s in self._states(seq_ids)]
 
     def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
         """Free blocks that cannot serve a new sequence of ``num_tokens`` slots: those in
@@ -418,6 +421,13 @@ class BlockAllocator(ABC):
         if s is None:
             raise self._unknown(seq_id)
         return s
+
+    def _states(self, seq_ids: Iterable[str]) -> list[SeqState]:
+        seqs = self._seqs
+        try:
+            return [seqs[seq_id] for seq_id in seq_ids]
+        except KeyError as unknown:
+            raise self._unknown(unknown.args[0]) from None
 
     @staticmethod
     def _unknown(seq_id: str) -> ValueError:

@@ -439,7 +439,7 @@ class Scheduler(ABC):
     def _add_row(out: SchedulerOutput, seq: Request, n: int, alloc: Allocation, budget: int) -> int:
         if alloc.copies:
             out.copies.extend(alloc.copies)
-        out.scheduled.append(Scheduled(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+        out.scheduled.append(Scheduled(seq, n, seq.num_computed_tokens + n == len(seq.token_ids)))
         return budget - n
 
     def _preempt(self, seq: Request, out: SchedulerOutput) -> None:
@@ -495,5 +495,5 @@ class Scheduler(ABC):
 
     def _chunk(self, seq: Request, budget: int) -> int:
         """Tokens ``seq`` computes this step: all that remain, if the budget holds them."""
-        n = seq.num_uncomputed_tokens
+        n = len(seq.token_ids) - seq.num_computed_tokens  # num_uncomputed_tokens, a call less
         return n if n <= budget else 0

@@ -427,10 +427,10 @@ class LLMEngine:
             proposals = self.proposer.propose(spec, self.outputs.sample_row)
             step.proposals = dict(zip([s.seq for s in spec], proposals, strict=True))
         carried = self.pipeline.rows() if self.pipeline is not None else {}
-        table = self.allocator.block_table
+        tables = self.allocator.block_tables([s.seq.request_id for s in plan.scheduled])
         window = self.window
         rows = []
-        for s in plan.scheduled:
+        for s, table in zip(plan.scheduled, tables, strict=True):
             seq = s.seq
             start, tokens = seq.num_computed_tokens, seq.token_ids
             end = start + s.num_new_tokens - s.num_draft_tokens
@@ -450,7 +450,7 @@ class LLMEngine:
                 positions = step.prompt_positions[seq] = prompt_positions(seq, s.num_new_tokens)
                 num_logits += len(positions)
             ring = window.table(seq.request_id) if window is not None else ()
-            rows.append(Row(fed, start, table(seq.request_id), num_logits, on_device, ring))
+            rows.append(Row(fed, start, table, num_logits, on_device, ring))
         return rows
 
     def _postprocess(

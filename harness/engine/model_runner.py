@@ -64,7 +64,7 @@ def forward_work(rows: Sequence[Row], groups: Sequence[Sequence[int]], block_siz
         kv_slots_read=keys,
         kv_slots_attended=sum(ends),
         attention_pairs=pairs,
-        logit_rows=sum(r.num_logits for r in rows),
+        logit_rows=sum([r.num_logits for r in rows]),
         single_token_rows=lengths.count(1),
     )
 

@@ -58,12 +58,37 @@ def test_bad_constructor_arguments_name_the_argument(kind: str, kwargs: dict, na
 
 
 @pytest.mark.parametrize(
-    "call", ["trim", "block_table", "num_tokens", "held_slots", "fork", "commit"]
-)
+    "call",
+    ["trim", "block_table", "num_tokens", "held_slots", "fork", "commit", "holdings",
+     "block_tables"],
+)  # fmt: skip
 def test_unknown_sequences_are_rejected(make, call: str) -> None:
     args = {"trim": ("x", 0), "fork": ("x", "y"), "commit": ("x", [])}.get(call, ("x",))
+    if call in ("holdings", "block_tables"):  # a batch: the unknown one is named
+        make_ = make()
+        make_.allocate("a", 3)
+        with pytest.raises(ValueError, match="unknown seq_id 'x'"):
+            getattr(make_, call)(["a", "x"])
+        return
     with pytest.raises(ValueError, match="unknown seq_id 'x'"):
         getattr(make(), call)(*args)
+
+
+def test_a_batch_read_is_each_sequences_own(make, kind: str) -> None:
+    # holdings and block_tables read a step's batch in one call: each entry is what the
+    # one-sequence calls say, the tables live (not copies), in the order asked.
+    alloc = make()
+    alloc.allocate("a", 5)  # 2 blocks of 4
+    alloc.allocate("b", 1)  # 1 block
+    assert alloc.fork("b", "c") is not None
+    got = alloc.holdings(["c", "a", "b"])
+    want = [(s, alloc.num_tokens(s), alloc.held_slots(s)) for s in ("c", "a", "b")]
+    assert [(s, n, held) for s, (n, held, _) in zip("cab", got, strict=True)] == want
+    assert got[1][0] == 5 and got[1][1] >= 8  # a region may hold slack beyond 2 blocks
+    assert all(t is alloc.block_table(s) for s, (_, _, t) in zip("cab", got, strict=True))
+    tables = alloc.block_tables(["b", "a"])
+    assert tables[0] is alloc.block_table("b") and tables[1] is alloc.block_table("a")
+    assert alloc.holdings([]) == [] and alloc.block_tables([]) == []
 
 
 def test_bad_counts_are_rejected(make) -> None:

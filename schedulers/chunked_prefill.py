@@ -55,9 +55,16 @@ class ChunkedPrefillScheduler(FCFSScheduler):
         self.max_chunk = max_chunk
 
     def _running_order(self) -> list[Request]:
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        # Decodes (one uncomputed token) first, then prefills, each in running order.
+        decodes, prefills = [], []
+        for s in self.running:
+            n = len(s.token_ids) - s.num_computed_tokens  # num_uncomputed_tokens
+            if n == 1:
+                decodes.append(s)
+            elif n > 1:
+                prefills.append(s)
         return decodes + prefills
 
     def _chunk(self, seq: Request, budget: int) -> int:
-        return min(seq.num_uncomputed_tokens, budget, self.max_chunk)
+        n = len(seq.token_ids) - seq.num_computed_tokens  # num_uncomputed_tokens
+        return min(n, budget, self.max_chunk)

@@ -277,10 +277,8 @@ class Scheduler(ABC):
                         self._drain(seq)
             return forked
         now = results.now
-        for seq, tokens in results.tokens.items():
-            stop = progress.append(seq, tokens, now)
-            if stop is not None:
-                self.finish(seq, stop[0], now, stop_reason=stop[1])
+        for seq, (reason, why) in progress.append_all(results.tokens, now):
+            self.finish(seq, reason, now, stop_reason=why)
         return forked
 
     def resolve(self, seq: Request, token: int, now: float) -> None:

@@ -79,15 +79,27 @@ class Progress:
     def append(self, seq: Request, tokens: Sequence[int], now: float) -> Stop | None:
         """Append ``tokens``, each existing on the host at ``now``, up to the first that
         stops ``seq``: that stop, else None."""
-        for token in tokens:
-            seq.token_ids.append(token)
-            seq.token_times.append(now)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason, why = self.stopping.check(seq, token, self.max_seq_len)
-            if reason is not None:
-                return reason, why
-        return None
+        stopped = self.append_all({seq: tokens}, now)
+        return stopped[0][1] if stopped else None
+
+    def append_all(
+        self, tokens: Mapping[Request, Sequence[int]], now: float
+    ) -> list[tuple[Request, Stop]]:
+        """``append`` for each sequence's tokens, all on the host at ``now``, in one call a
+        step: the sequences that stopped, in order, each with its stop."""
+        stopped = []
+        check, max_seq_len = self.stopping.check, self.max_seq_len
+        for seq, got in tokens.items():
+            for token in got:
+                seq.token_ids.append(token)
+                seq.token_times.append(now)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason, why = check(seq, token, max_seq_len)
+                if reason is not None:
+                    stopped.append((seq, (reason, why)))
+                    break
+        return stopped
 
     def append_pending(self, seq: Request) -> None:
         """A token still on the device (pipelined steps): a placeholder until ``resolve``."""

@@ -1,7 +1,8 @@
 """Scale: kvbench runs of 1k to 100k requests on the model clock; wall time and peak memory.
 
 ``python -m harness.bench scale [--sizes 1000,10000,100000] [--allocators ...]
-[--schedulers fcfs,chunked_prefill] [--traces azure_like,mooncake_like] [--timeout 600]``
+[--schedulers fcfs,chunked_prefill] [--traces azure_like,mooncake_like] [--timeout 600]
+[--against REF]`` (sizes up to 1000000 run; 1M azure_like takes minutes to an hour)
 
 On the model clock (``engine.clock=model``, priced by the committed profile
 ``results/baselines/profile-llama-tiny.json``) no model runs: a replay's cost is the per-step
@@ -11,8 +12,12 @@ tables and summary written) in a subprocess of its own, so its peak RSS is its o
 wall seconds of ``run`` and the CPU seconds of its process (user + system: on a machine other
 work shares, the wall time includes waiting for a core), peak RSS, engine steps, request
 throughput on the model clock, and sequence-steps (a sequence's row in a step) per wall
-second of the replay; then, per configuration, the wall time of the largest size over the one
-before (linear: the sizes' ratio).
+second of the replay and its inverse, microseconds of replay wall per sequence-step; then,
+per configuration, the wall time of the largest size over the one before (linear: the sizes'
+ratio). ``--against REF`` runs every cell a second time on the code of git commit ``REF`` (a
+temporary checkout: ``git archive``), on the same machine in the same run, alternating with
+this code cell by cell so that both see the same load, and prints this code's CPU per
+sequence-step over REF's.
 
 The arena (``--num-blocks 4096`` of 16 slots) holds ``max_num_seqs`` (32) sequences of
 ``max_model_len`` (2048) even rounded up to a buddy allocator's powers of two, so requests
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -92,12 +98,16 @@ def run_cell(overrides: list[str], out: Path) -> dict:
     }
 
 
-def measure(cell: dict, num_blocks: int, timeout: float, out: Path) -> dict:
-    """Run one cell in a subprocess; its figures, or ``{"error": "timeout" | message}``."""
+def measure(cell: dict, num_blocks: int, timeout: float, out: Path, code: Path = REPO) -> dict:
+    """Run one cell in a subprocess on the code in ``code`` (this checkout, or another
+    commit's); its figures, or ``{"error": "timeout" | message}``."""
     cmd = [sys.executable, "-m", "harness.bench.scale", "--cell", json.dumps(cell)]
     cmd += ["--num-blocks", str(num_blocks), "--out", str(out)]
+    env = os.environ | {"PYTHONPATH": str(code)}
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=code, env=env
+        )
     except subprocess.TimeoutExpired:
         return {"error": "timeout"}
     if done.returncode:
@@ -105,21 +115,46 @@ def measure(cell: dict, num_blocks: int, timeout: float, out: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def checkout(ref: str, into: Path) -> Path:
+    """The files of git commit ``ref`` of this repository, unpacked into ``into``."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", ref], capture_output=True
+    )
+    if archive.returncode:
+        message = archive.stderr.decode().strip().splitlines()
+        sys.exit(f"{PROG}: --against {ref}: {message[-1] if message else 'git archive failed'}")
+    into.mkdir(parents=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
 def format_cells(rows: list[dict]) -> str:
-    """One line per cell."""
+    """One line per cell (a cell run ``--against`` a commit adds its µs per sequence-step
+    and this code's CPU per sequence-step over the commit's)."""
+    against = any("old" in r for r in rows)
     header = ["trace", "allocator", "scheduler", "requests", "wall s", "CPU s", "peak RSS MiB",
-              "steps", "req/s (model)", "seq-steps/s"]  # fmt: skip
+              "steps", "req/s (model)", "seq-steps/s", "µs/seq-step"]  # fmt: skip
+    if against:
+        header += ["REF µs/seq-step", "REF peak RSS MiB", "CPU/seq-step vs REF"]
     lines = []
     for r in rows:
         got = r["got"]
         cells = [r["trace"], r["allocator"], r["scheduler"], f"{r['size']:,}"]
         if "error" in got:
-            cells += [got["error"], "", "", "", "", ""]
+            cells += [got["error"], "", "", "", "", "", ""]
         else:
             rate = got["seq_steps"] / got["replay"] if got["replay"] else float("nan")
             cells += [f"{got['wall']:.1f}", f"{got['cpu']:.1f}", f"{got['rss_mib']:.0f}",
-                      f"{got['steps']:,}",
-                      f"{got['throughput']:.2f}", f"{rate:,.0f}"]  # fmt: skip
+                      f"{got['steps']:,}", f"{got['throughput']:.2f}", f"{rate:,.0f}",
+                      f"{1e6 / rate:.2f}"]  # fmt: skip
+        if against:
+            old = r.get("old", {})
+            if "error" in got or "error" in old or not old:
+                cells += [old.get("error", ""), "", "n/a"]
+            else:
+                ratio = (got["cpu"] / got["seq_steps"]) / (old["cpu"] / old["seq_steps"])
+                cells += [f"{1e6 * old['replay'] / old['seq_steps']:.2f}",
+                          f"{old['rss_mib']:.0f}", f"{ratio:.2f}x"]  # fmt: skip
         lines.append(cells)
     return format_table(header, lines)
 
@@ -163,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a cell may run before it counts as a timeout")  # fmt: skip
     parser.add_argument("--out", help="folder for the runs (default: a temporary one)")
+    parser.add_argument("--against", metavar="REF",
+                        help="also run each cell on git commit REF, side by side")  # fmt: skip
     parser.add_argument("--cell", help=argparse.SUPPRESS)  # the subprocess: one cell
     args = parser.parse_args(argv)
     if args.cell:
@@ -179,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
+        old_code = checkout(args.against, Path(tmp) / "against") if args.against else None
         for size in sizes:
             for trace in chosen["trace"]:
                 for allocator in chosen["allocator"]:
@@ -190,9 +228,15 @@ def main(argv: list[str] | None = None) -> None:
                         if not args.out:  # a 100k-request run's tables take ~100 MB
                             shutil.rmtree(folder, ignore_errors=True)
                         rows.append(cell | {"got": got})
+                        if old_code is not None:
+                            old = measure(cell, args.num_blocks, args.timeout,
+                                          Path(tmp) / "against-run", old_code)  # fmt: skip
+                            shutil.rmtree(Path(tmp) / "against-run", ignore_errors=True)
+                            rows[-1]["old"] = old
                         print(" ".join(format_cells(rows[-1:]).splitlines()[-1].split()),
                               flush=True)  # fmt: skip
-    print(f"\nmodel clock ({PROFILE}), {args.num_blocks} blocks, rate {args.rate:g}/s")
+    against = f"; REF = {args.against}" if args.against else ""
+    print(f"\nmodel clock ({PROFILE}), {args.num_blocks} blocks, rate {args.rate:g}/s{against}")
     print(format_cells(rows))
     if ratios := format_ratios(rows, sizes):
         print()

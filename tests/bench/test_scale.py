@@ -1,6 +1,8 @@
 """python -m harness.bench scale: its size ratios, computed by hand."""
 
-from harness.bench.scale import format_ratios
+import pytest
+
+from harness.bench.scale import format_cells, format_ratios, main
 
 
 def _cell(size: int, wall: float, cpu: float, seq_steps: int) -> dict:
@@ -24,3 +26,21 @@ def test_a_cell_that_timed_out_has_no_ratio() -> None:
     rows[1]["got"] = {"error": "timeout"}
     line = format_ratios(rows, [10_000, 100_000]).splitlines()[-1]
     assert line.split()[3:] == ["n/a", "n/a", "n/a"]
+
+
+def test_a_cell_run_against_a_commit_shows_both_and_the_cpu_ratio() -> None:
+    # This code: 10 s CPU over 100k sequence-steps (replay 8 s: 80 µs each); the commit's:
+    # 25 s over the same 100k (replay 20 s: 200 µs). CPU per sequence-step: 10 / 25 = 0.40x.
+    new = {"wall": 12.0, "cpu": 10.0, "replay": 8.0, "rss_mib": 300.0, "steps": 5_000,
+           "seq_steps": 100_000, "throughput": 1.5}  # fmt: skip
+    old = new | {"cpu": 25.0, "replay": 20.0, "rss_mib": 700.0}
+    row = _cell(10_000, 0, 0, 0) | {"got": new, "old": old}
+    header, _, line = format_cells([row]).splitlines()
+    assert header.endswith("µs/seq-step  REF µs/seq-step  REF peak RSS MiB  CPU/seq-step vs REF")
+    assert line.split()[-5:] == ["12,500", "80.00", "200.00", "700", "0.40x"]
+
+
+def test_against_an_unknown_commit_is_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--against", "no-such-ref", "--sizes", "10"])
+    assert "--against no-such-ref" in str(stop.value) and "\n" not in str(stop.value)

@@ -196,9 +196,22 @@ def _notes(frame: pd.DataFrame) -> str:
     )
 
 
+def format_unfinished(path: str | Path) -> list[str]:
+    """A line per run folder under ``path`` that holds no summary.json (a failed or
+    interrupted job), its folder relative to ``path`` and why, after a line counting them."""
+    jobs = results.unfinished(path)
+    if not jobs:
+        return []
+    n = len(jobs)
+    lines = [f"{n} unfinished run{'s' if n != 1 else ''} (not in the table):"]
+    for run_dir, why in jobs:
+        lines.append(f"  {Path(run_dir).relative_to(path).as_posix()}: {why}")
+    return lines
+
+
 def format_text(frame: pd.DataFrame, path: str | Path) -> str:
     """The table for a terminal: the folder, a two-line header (figure, unit), one line per
-    run, and a note naming each column's summary key."""
+    run, a note naming each column's summary key, then the unfinished runs under ``path``."""
     n, shown = len(frame), _shown(frame)
     rows = [[c.name for c in shown], [c.unit for c in shown]]
     for values in frame[[c.header for c in shown]].values:
@@ -210,7 +223,7 @@ def format_text(frame: pd.DataFrame, path: str | Path) -> str:
     for label, row in zip(labels, rows, strict=True):
         cells = "  ".join(f"{s:>{w}}" for s, w in zip(row, widths, strict=True))
         lines.append(f"{label:<{width}}  {cells}")
-    return "\n".join([*lines, _notes(frame)])
+    return "\n".join([*lines, _notes(frame), *format_unfinished(path)])
 
 
 def format_markdown(frame: pd.DataFrame, path: str | Path) -> str:
@@ -222,7 +235,10 @@ def format_markdown(frame: pd.DataFrame, path: str | Path) -> str:
         label = str(row[0]).replace("|", "\\|")
         cells = [_cell(v, c) for v, c in zip(row[1:], shown, strict=True)]
         lines.append("| " + " | ".join([f"`{label}`", *cells]) + " |")
-    return "\n".join([*lines, "", f"Runs in `{path}`. {_notes(frame)}"])
+    listed = []
+    if unfinished := format_unfinished(path):
+        listed = ["", unfinished[0], "", *(f"- {line.strip()}" for line in unfinished[1:])]
+    return "\n".join([*lines, "", f"Runs in `{path}`. {_notes(frame)}", *listed])
 
 
 def format_csv(frame: pd.DataFrame) -> str:
@@ -243,7 +259,11 @@ class CompareCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        frame = table(sweep_dir, self.headline)
+        try:
+            frame = table(sweep_dir, self.headline)
+        except results.ResultFileError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return
         if frame.empty:
             print(f"no finished run in {sweep_dir}")
         else:
@@ -270,6 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     except CompareError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except results.ResultFileError as e:  # a damaged summary.json: its file, not a traceback
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(1)
     if frame.empty:
         print(
             f"{PROG}: no finished run in {args.path} (a run is finished once its folder holds "

@@ -327,3 +327,40 @@ def test_every_experiment_shows_its_headline_figures(name: str, tmp_path: Path) 
     text = compare.format_text(compare.table(tmp_path, callback.headline), tmp_path)
     shown = {c.key for c in compare.columns(callback.headline) if c.name in text}
     assert set(callback.headline) <= shown
+
+
+def test_an_interrupted_sweep_lists_its_unfinished_jobs_after_the_table(
+    sweep: Path, capsys
+) -> None:
+    killed = sweep / ".partial" / "allocator=buddy,trace.rate=16"  # a job whose process died
+    (killed / ".hydra").mkdir(parents=True)
+    compare.main([str(sweep)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"3 finished runs in {sweep}"
+    assert lines[-3:] == [
+        "2 unfinished runs (not in the table):",
+        "  .partial/allocator=buddy,trace.rate=16: no result: still running, or its process "
+        "was killed",
+        "  allocator=buddy,trace.rate=4: failed: RuntimeError: boom",
+    ]
+    compare.main([str(sweep), "--markdown"])
+    markdown = capsys.readouterr().out.splitlines()
+    assert markdown[-1] == "- allocator=buddy,trace.rate=4: failed: RuntimeError: boom"
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [('{"done": 6', "is not JSON (Expecting"), ("[1, 2]", "holds a JSON list, not an object")],
+    ids=["truncated", "list"],
+)
+def test_a_damaged_summary_is_one_line_naming_the_file(
+    sweep: Path, capsys, text: str, said: str
+) -> None:
+    damaged = sweep / ",".join(JOBS[0][0]) / results.SUMMARY_FILE
+    damaged.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        compare.main([str(sweep)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1
+    assert err.startswith(f"kvbench-compare: error: {damaged} {said}")
+    assert err.count("\n") == 1 and "delete the run's folder" in err

@@ -127,6 +127,29 @@ def _read_table(path: Path, schema: Callable[[pd.DataFrame], pd.DataFrame]) -> p
         raise MetricsError(f"{path}: {e}") from None
 
 
+# What a run computed, step by step: the same totals mean the policies decided the same
+# steps, batches and tokens, whatever the clock made of them.
+WORK_COLUMNS = (
+    "prefill_tokens",
+    "decode_tokens",
+    "preempted",
+    "block_copies",
+    "row_groups",
+    "query_tokens_padded",
+    "kv_slots_read",
+)
+
+
+def work_counts(run_dir: str | os.PathLike) -> tuple[int, ...] | None:
+    """The run's steps, then the totals of its steps table's ``WORK_COLUMNS``; None when
+    the table cannot be read (the run's other figures do not need it)."""
+    try:
+        steps = pd.read_parquet(Path(run_dir) / STEPS_FILE, columns=list(WORK_COLUMNS))
+    except (OSError, ValueError, pa.ArrowException):
+        return None
+    return (len(steps), *(int(steps[c].sum()) for c in WORK_COLUMNS))
+
+
 def override_items(run_dir: str | os.PathLike) -> list[str]:
     """The run's command-line overrides as written (``["allocator=radix", "trace.rate=2"]``),
     from ``.hydra/overrides.yaml``."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -52,7 +53,7 @@ from harness.cli.config import validate
 from harness.cli.replay import check_trace, replay, sampling_params
 from harness.engine import LLMEngine
 from harness.engine.sampling_params import SamplingParams, SamplingParamsError
-from harness.platform import machine
+from harness.platform import machine, noise
 from harness.workload.traces import Trace, max_prefix_hit_rate
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,8 @@ def run(
         except BaseException as e:
             results.write_failure(out, e)
             raise
+    # the machine's speed before and after the replay: timed figures mean nothing closer
+    probes = noise.probe() if engine.clock.measures else []
     mx.reset_peak_memory()  # mlx_peak_bytes is this run's, not an earlier job's
     started = time.perf_counter()
     try:
@@ -153,6 +156,7 @@ def run(
     requests, steps = _tables(engine)
     results.write_tables(out, requests, steps)
     summary = summarize(requests, steps, clock=engine.clock.name)
+    probes += noise.probe() if engine.clock.measures else []
     block_size = engine.allocator.block_size
     summary.update(
         wall_time=wall_time,
@@ -161,6 +165,7 @@ def run(
         max_prefix_hit_rate=max_prefix_hit_rate(sent.requests, answers=sent.answers),
         max_prefix_hit_rate_blocks=max_prefix_hit_rate(sent.requests, block_size, sent.answers),
         warmup_requests=min(cfg.warmup, len(trace)) if engine.clock.measures else 0,
+        timing_noise=noise.spread(probes) if probes else math.nan,
         profile=_profile(engine),
         model_name=model.name,
         num_blocks=engine.allocator.num_blocks,

@@ -381,3 +381,15 @@ def test_the_sampling_node_builds_each_requests_params() -> None:
     got = sampling_params(req, partial(SamplingParams, temperature=0.8, top_p=0.9))
     assert got == SamplingParams(temperature=0.8, top_p=0.9, max_tokens=7, ignore_eos=True)
     assert sampling_params(req) == SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+
+
+def test_a_timed_run_records_the_machines_noise_and_a_priced_one_none(
+    compose_cfg, tmp_path: Path
+) -> None:
+    from support import ROOT
+
+    timed = run(compose_cfg(["warmup=0"]), tmp_path / "virtual")
+    assert math.isfinite(timed["timing_noise"]) and timed["timing_noise"] >= 0
+    profile = ROOT / "results/baselines/profile-llama-tiny.json"
+    priced = run(compose_cfg(["engine.clock=model", f"engine.profile={profile}"]), tmp_path / "m")
+    assert math.isnan(priced["timing_noise"])

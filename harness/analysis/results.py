@@ -31,6 +31,7 @@ REQUESTS_FILE = "requests.parquet"
 STEPS_FILE = "steps.parquet"
 FAILED_FILE = "failed.txt"
 VLLM_BENCH_FILE = "vllm_bench.json"
+JOBS_FILE = "jobs.json"  # a sweep folder's: the jobs its last launch planned
 
 
 class ResultFileError(ValueError):
@@ -202,10 +203,19 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def write_jobs(sweep_dir: str | os.PathLike, jobs: list[list[str]], ignore: list[str]) -> None:
+    """Record in ``sweep_dir`` the jobs a sweep's launch planned (each its overrides) and the
+    override keys that do not name a job's folder (``sweep_id``, ``progress``, ...)."""
+    Path(sweep_dir).mkdir(parents=True, exist_ok=True)
+    _write_json(Path(sweep_dir) / JOBS_FILE, {"jobs": jobs, "ignore": ignore})
+
+
 def unfinished(path: str | os.PathLike) -> list[tuple[Path, str]]:
     """Every run folder under ``path`` without summary.json (a run folder holds Hydra's
     ``.hydra/`` or a ``failed.txt``), sorted, each with why: the error its failed.txt names,
-    else that its process was stopped before writing (killed) or is still running."""
+    else that its process was stopped before writing (killed) or is still running; then each
+    job a sweep under ``path`` planned (its ``JOBS_FILE``) that has no folder at all, as
+    the folder it would have had: not started."""
     root = Path(path)
     folders = {p.parent for p in root.rglob(".hydra")} | {p.parent for p in root.rglob(FAILED_FILE)}
     out = []
@@ -218,6 +228,23 @@ def unfinished(path: str | os.PathLike) -> list[tuple[Path, str]]:
             out.append((run_dir, f"failed: {first}"))
         else:
             out.append((run_dir, "no result: still running, or its process was killed"))
+    for plan_path in sorted(root.rglob(JOBS_FILE)):
+        try:
+            plan = json.loads(plan_path.read_text())
+            jobs, ignore = plan["jobs"], set(plan["ignore"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ResultFileError(f"{plan_path} is not a sweep's plan ({e}); delete it") from None
+
+        def key(items: list[str], ignore: set[str] = ignore) -> frozenset[str]:
+            return frozenset(i for i in items if override_key(i) not in ignore)
+
+        sweep = plan_path.parent
+        started = {key(override_items(d)) for d in folders if sweep in d.parents}
+        for job in jobs:
+            if key(job) not in started:
+                # the folder Hydra would have made: the overrides sorted, as override_dirname
+                named = ",".join(sorted(i for i in job if override_key(i) not in ignore))
+                out.append((sweep / named, "not started"))
     return out
 
 

@@ -342,20 +342,32 @@ def test_every_experiment_shows_its_headline_figures(name: str, tmp_path: Path) 
 def test_an_interrupted_sweep_lists_its_unfinished_jobs_after_the_table(
     sweep: Path, capsys
 ) -> None:
-    killed = sweep / ".partial" / "allocator=buddy,trace.rate=16"  # a job whose process died
-    (killed / ".hydra").mkdir(parents=True)
+    def job(allocator: str, rate: int) -> list[str]:
+        return [f"allocator={allocator}", f"trace.rate={rate}", "progress=false"]
+
+    # what the sweep's launch planned: the three finished, the failed one, one whose process
+    # was killed (left under .partial/) and one it never reached
+    planned = [*(o for o, _ in JOBS), job("buddy", 4), job("buddy", 16), job("radix", 16)]
+    results.write_jobs(sweep, planned, ignore=["progress", "sweep_id"])
+    for folder, overrides in ((".partial/allocator=buddy,trace.rate=16", job("buddy", 16)),
+                              ("allocator=buddy,trace.rate=4", job("buddy", 4))):  # fmt: skip
+        (sweep / folder / ".hydra").mkdir(parents=True, exist_ok=True)
+        (sweep / folder / ".hydra" / "overrides.yaml").write_text(
+            "".join(f"- {o}\n" for o in overrides)
+        )
     compare.main([str(sweep)])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"3 finished runs in {sweep}"
-    assert lines[-3:] == [
-        "2 unfinished runs (not in the table):",
+    assert lines[-4:] == [
+        "3 unfinished runs (not in the table):",
         "  .partial/allocator=buddy,trace.rate=16: no result: still running, or its process "
         "was killed",
         "  allocator=buddy,trace.rate=4: failed: RuntimeError: boom",
+        "  allocator=radix,trace.rate=16: not started",
     ]
     compare.main([str(sweep), "--markdown"])
     markdown = capsys.readouterr().out.splitlines()
-    assert markdown[-1] == "- allocator=buddy,trace.rate=4: failed: RuntimeError: boom"
+    assert markdown[-1] == "- allocator=radix,trace.rate=16: not started"
 
 
 @pytest.mark.parametrize(

@@ -47,11 +47,12 @@ def visible(folder: Path) -> list[str]:
 
 @pytest.mark.slow  # two kvbench processes: ~20 s here
 def test_a_second_sweep_in_the_same_folder_is_refused_naming_the_holder(tmp_path: Path) -> None:
-    holder = start(tmp_path, "allocator=radix", "trace.num_requests=20000")  # still running
+    # radix's job still running when the second starts; buddy's after it
+    holder = start(tmp_path, "allocator=radix,buddy", "trace.num_requests=20000")
     try:
         replaying(holder)
         sweep = tmp_path / SWEEP
-        assert visible(sweep) == ["multirun.yaml"]  # the running job's folder is not there yet
+        assert visible(sweep) == ["jobs.json", "multirun.yaml"]  # no job's folder yet
         second = start(tmp_path, "allocator=free_list,radix")
         out, err = second.communicate(timeout=HANG)
         assert second.returncode == 2, out + err
@@ -61,18 +62,22 @@ def test_a_second_sweep_in_the_same_folder_is_refused_naming_the_holder(tmp_path
         )
         assert err.count("\n") == 1 and "sweep_wait=true" in err
         assert "replaying" not in out  # it ran no job
-        assert visible(sweep) == ["multirun.yaml"]
+        assert visible(sweep) == ["jobs.json", "multirun.yaml"]
         holder.send_signal(signal.SIGTERM)
         holder.communicate(timeout=HANG)
     finally:
         holder.kill()
     assert holder.returncode == 143
     # the stopped job's folder moved into place whole: its rows and its failure mark
-    (job,) = visible(sweep)[:-1]
+    (job,) = [name for name in visible(sweep) if name.startswith("allocator=")]
     assert job.startswith("allocator=radix,")
     assert (sweep / job / results.FAILED_FILE).read_text().startswith("Terminated")
     assert (sweep / job / results.REQUESTS_FILE).exists()
     assert "free_list" not in (sweep / job / "run.log").read_text()
+    # kvbench-compare's list: the stopped job, and the one the sweep never reached
+    assert [(Path(d).name.split(",")[0], why.split(":")[0]) for d, why in
+            results.unfinished(sweep)] == [("allocator=radix", "failed"),
+                                           ("allocator=buddy", "not started")]  # fmt: skip
 
 
 @pytest.mark.slow  # two kvbench processes: ~25 s here

@@ -393,3 +393,18 @@ def test_a_timed_run_records_the_machines_noise_and_a_priced_one_none(
     profile = ROOT / "results/baselines/profile-llama-tiny.json"
     priced = run(compose_cfg(["engine.clock=model", f"engine.profile={profile}"]), tmp_path / "m")
     assert math.isnan(priced["timing_noise"])
+
+
+def test_a_sweep_rerun_over_a_damaged_summary_names_it_and_exits_2(kvbench, tmp_path) -> None:
+    job = tmp_path / "results/default/multiruns/s/allocator=radix,engine.num_blocks=64,trace=smoke"
+    job.mkdir(parents=True)
+    (job / "summary.json").write_text("[]")
+    proc = kvbench("-m", "allocator=radix", "sweep_id=s", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        f"kvbench: error: {job / 'summary.json'} holds a JSON list, not an "
+        "object of figures; delete the run's folder and run it again (a sweep re-run with its "
+        "sweep_id repeats it)"
+    )
+    assert (job / "summary.json").read_text() == "[]"  # nothing of it lost
+    assert not (job.parent / ".partial" / job.name).exists()

@@ -111,8 +111,9 @@ def columns(headline: Sequence[str] = ()) -> list[Column]:
 def table(path: str | Path, headline: Sequence[str] = ()) -> pd.DataFrame:
     """Every finished run under ``path``, one row each: ``run`` (its label), a column per
     figure of ``columns(headline)`` named by its header and holding the figure in that unit
-    (NaN where the summary has none), ``clock`` and ``run_dir``. Empty when no run under
-    ``path`` has finished.
+    (NaN where the summary has none), ``clock``, ``run_dir`` and ``SAME_WORK`` (a letter
+    shared by runs on a measuring clock that did the same work, read from their steps
+    tables). Empty when no run under ``path`` has finished.
 
     A label is the run's overrides whose text differs between the runs (a key a run does not
     override differs too), in the order given on its command line; a label shared by several
@@ -128,7 +129,9 @@ def table(path: str | Path, headline: Sequence[str] = ()) -> pd.DataFrame:
     shown = columns(headline)
     runs = results.load(path)
     if runs.empty:
-        return pd.DataFrame(columns=[RUN, *(c.header for c in shown), "clock", "run_dir"])
+        return pd.DataFrame(
+            columns=[RUN, *(c.header for c in shown), "clock", "run_dir", SAME_WORK]
+        )
     items = {d: results.override_items(d) for d in runs["run_dir"]}
     keys: list[str] = []  # every overridden key, first seen first
     for its in items.values():
@@ -168,7 +171,9 @@ def _same_work(frame: pd.DataFrame) -> list[str]:
         for d, clock in zip(frame["run_dir"], frame["clock"], strict=True)
     ]
     repeated = [w for w in dict.fromkeys(work) if w is not None and work.count(w) > 1]
-    letters = {w: chr(ord("a") + i % 26) for i, w in enumerate(repeated)}
+    # a, b, ..., z, then a1, b1, ...
+    letters = {w: chr(ord("a") + i % 26) + (str(i // 26) if i >= 26 else "") for i, w in
+               enumerate(repeated)}  # fmt: skip
     return [letters.get(w, "") for w in work]
 
 

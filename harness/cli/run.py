@@ -347,6 +347,7 @@ def publish(written: Path, final: Path) -> None:
         return
     if final.exists():
         replaced = written.with_name(f"{written.name}.replaced")
+        shutil.rmtree(replaced, ignore_errors=True)  # left by a process killed right here
         os.rename(final, replaced)
         os.rename(written, final)
         shutil.rmtree(replaced)

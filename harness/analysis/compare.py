@@ -360,13 +360,11 @@ class CompareCallback(Callback):
         sweep_dir = Path(str(config.hydra.sweep.dir))
         try:
             frame = table(sweep_dir, self.headline)
+            text = format_text(frame, sweep_dir) if not frame.empty else ""
         except results.ResultFileError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return
-        if frame.empty:
-            print(f"no finished run in {sweep_dir}")
-        else:
-            print(format_text(frame, sweep_dir))
+        print(text or f"no finished run in {sweep_dir}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -386,10 +384,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         frame = table(args.path)
+        if frame.empty:
+            text = ""
+        elif args.csv:
+            text = format_csv(frame).removesuffix("\n")
+        elif args.markdown:
+            text = format_markdown(frame, args.path)
+        else:
+            text = format_text(frame, args.path)
     except CompareError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except results.ResultFileError as e:  # a damaged summary.json: its file, not a traceback
+    except results.ResultFileError as e:  # a damaged file (summary.json, jobs.json): named
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(1)
     if frame.empty:
@@ -399,12 +405,7 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         sys.exit(1)
-    if args.csv:
-        print(format_csv(frame), end="")
-    elif args.markdown:
-        print(format_markdown(frame, args.path))
-    else:
-        print(format_text(frame, args.path))
+    print(text)
 
 
 if __name__ == "__main__":

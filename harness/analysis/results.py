@@ -231,7 +231,8 @@ def unfinished(path: str | os.PathLike) -> list[tuple[Path, str]]:
     for plan_path in sorted(root.rglob(JOBS_FILE)):
         try:
             plan = json.loads(plan_path.read_text())
-            jobs, ignore = plan["jobs"], set(plan["ignore"])
+            jobs = [[str(item) for item in job] for job in plan["jobs"]]
+            ignore = {str(key) for key in plan["ignore"]}
         except (ValueError, KeyError, TypeError) as e:
             raise ResultFileError(f"{plan_path} is not a sweep's plan ({e}); delete it") from None
 

@@ -429,3 +429,13 @@ def test_priced_figures_are_never_marked(tmp_path: Path) -> None:
         summary = results.read_summary(tmp_path / name)
         results.write_summary(tmp_path / name, {**summary, "clock": "model"})
     assert compare.within_noise(compare.table(tmp_path)) == set()
+
+
+def test_a_damaged_plan_of_jobs_is_one_line_naming_it(sweep: Path, capsys) -> None:
+    (sweep / results.JOBS_FILE).write_text('{"jobs": 3}')
+    with pytest.raises(SystemExit) as exit_:
+        compare.main([str(sweep)])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvbench-compare: error: {sweep / results.JOBS_FILE} is not a sweep's")
+    assert err.count("\n") == 1

@@ -14,6 +14,7 @@ under the path.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 import textwrap
@@ -42,6 +43,7 @@ class Column:
     unit: str
     scale: float = 1.0
     digits: int = 0
+    timed: bool = False  # measured on a measuring clock: compared against the runs' noise
 
     @property
     def header(self) -> str:
@@ -50,13 +52,14 @@ class Column:
 
 COLUMNS = (
     Column("completed_requests", "done", "req"),
-    Column("request_throughput", "thruput", "req/s", digits=2),
-    Column("output_throughput", "output", "tok/s", digits=1),
-    Column("ttft_p50", "TTFT p50", "ms", 1e3, 1),
-    Column("ttft_p99", "TTFT p99", "ms", 1e3, 1),
-    Column("tpot_p50", "TPOT p50", "ms", 1e3, 1),
-    Column("itl_p99", "ITL p99", "ms", 1e3, 1),
-    Column("goodput", "goodput", "req/s", digits=2),
+    Column("request_throughput", "thruput", "req/s", digits=2, timed=True),
+    Column("output_throughput", "output", "tok/s", digits=1, timed=True),
+    Column("ttft_p50", "TTFT p50", "ms", 1e3, 1, timed=True),
+    Column("ttft_p99", "TTFT p99", "ms", 1e3, 1, timed=True),
+    Column("tpot_p50", "TPOT p50", "ms", 1e3, 1, timed=True),
+    Column("itl_p99", "ITL p99", "ms", 1e3, 1, timed=True),
+    Column("goodput", "goodput", "req/s", digits=2, timed=True),
+    Column("timing_noise", "noise", "%", 100, 1),
     Column("kv_tokens_frac_mean", "KV tokens", "%", 100, 1),
     Column("kv_utilisation", "KV util", "%", 100, 1),
     Column("preemptions", "preempt", "count"),
@@ -73,16 +76,18 @@ HEADLINES = (
     Column("batch_size_mean", "batch", "seqs", digits=1),
     Column("max_prefix_hit_rate", "hit bound", "%", 100, 1),
     Column("max_prefix_hit_rate_blocks", "block bound", "%", 100, 1),
-    Column("total_token_throughput", "total", "tok/s", digits=1),
-    Column("tpot_mean", "TPOT mean", "ms", 1e3, 1),
-    Column("e2e_p50", "E2E p50", "ms", 1e3, 1),
+    Column("total_token_throughput", "total", "tok/s", digits=1, timed=True),
+    Column("tpot_mean", "TPOT mean", "ms", 1e3, 1, timed=True),
+    Column("e2e_p50", "E2E p50", "ms", 1e3, 1, timed=True),
     Column("spec_acceptance_rate", "alpha", "%", 100, 1),
     Column("spec_tokens_per_verification", "tok/verif", "tok", digits=2),
     Column("num_blocks", "arena", "blocks"),
-    Column("ttft_p90", "TTFT p90", "ms", 1e3, 1),
+    Column("ttft_p90", "TTFT p90", "ms", 1e3, 1, timed=True),
 )
 _BY_KEY = {c.key: c for c in (*COLUMNS, *HEADLINES)}
 RUN = "run"  # the label column
+SAME_WORK = "same work"  # a letter shared by measured runs that did the same work
+NOISE = _BY_KEY["timing_noise"]
 
 
 class CompareError(Exception):
@@ -106,8 +111,9 @@ def columns(headline: Sequence[str] = ()) -> list[Column]:
 def table(path: str | Path, headline: Sequence[str] = ()) -> pd.DataFrame:
     """Every finished run under ``path``, one row each: ``run`` (its label), a column per
     figure of ``columns(headline)`` named by its header and holding the figure in that unit
-    (NaN where the summary has none), ``clock`` and ``run_dir``. Empty when no run under
-    ``path`` has finished.
+    (NaN where the summary has none), ``clock``, ``run_dir`` and ``SAME_WORK`` (a letter
+    shared by runs on a measuring clock that did the same work, read from their steps
+    tables). Empty when no run under ``path`` has finished.
 
     A label is the run's overrides whose text differs between the runs (a key a run does not
     override differs too), in the order given on its command line; a label shared by several
@@ -123,7 +129,9 @@ def table(path: str | Path, headline: Sequence[str] = ()) -> pd.DataFrame:
     shown = columns(headline)
     runs = results.load(path)
     if runs.empty:
-        return pd.DataFrame(columns=[RUN, *(c.header for c in shown), "clock", "run_dir"])
+        return pd.DataFrame(
+            columns=[RUN, *(c.header for c in shown), "clock", "run_dir", SAME_WORK]
+        )
     items = {d: results.override_items(d) for d in runs["run_dir"]}
     keys: list[str] = []  # every overridden key, first seen first
     for its in items.values():
@@ -148,7 +156,51 @@ def table(path: str | Path, headline: Sequence[str] = ()) -> pd.DataFrame:
     out["clock"] = runs.get("clock")
     out["run_dir"] = runs["run_dir"]
     order = sorted(out.index, key=lambda i: (_sort_key(items[out.run_dir[i]], varying), i))
-    return out.loc[order].reset_index(drop=True)
+    out = out.loc[order].reset_index(drop=True)
+    out[SAME_WORK] = _same_work(out)
+    return out
+
+
+def _same_work(frame: pd.DataFrame) -> list[str]:
+    """A letter per run on a measuring clock whose work counts (``results.work_counts``:
+    steps, tokens, batches) another such run repeats exactly, shared by those runs, in row
+    order; empty for the others. Their timed differences are the machine's and the policies'
+    host work, not what the policies decided."""
+    work = [
+        results.work_counts(d) if clock != "model" else None
+        for d, clock in zip(frame["run_dir"], frame["clock"], strict=True)
+    ]
+    repeated = [w for w in dict.fromkeys(work) if w is not None and work.count(w) > 1]
+    # a, b, ..., z, then a1, b1, ...
+    letters = {w: chr(ord("a") + i % 26) + (str(i // 26) if i >= 26 else "") for i, w in
+               enumerate(repeated)}  # fmt: skip
+    return [letters.get(w, "") for w in work]
+
+
+def within_noise(frame: pd.DataFrame) -> set[tuple[int, str]]:
+    """The (row, header) cells of timed figures that cannot be told from another run's: the
+    two runs did the same work (``SAME_WORK``), or the two values differ, relative to the
+    larger, by less than the larger of the two runs' ``timing_noise``."""
+    timed = [c.header for c in _shown(frame) if c.timed]
+    values = {h: frame[h].tolist() for h in timed}  # lists: a table can hold 1,000s of runs
+    noise = (frame[NOISE.header] / NOISE.scale).tolist() if NOISE.header in frame else None
+    clock, work = frame["clock"].tolist(), frame[SAME_WORK].tolist()
+    marked = set()
+    for i, j in itertools.combinations(range(len(frame)), 2):
+        if clock[i] != clock[j] or clock[i] == "model":
+            continue  # a priced figure has no noise; figures of two clocks do not compare
+        same = work[i] != "" and work[i] == work[j]
+        # the larger noise of the two; none recorded (runs from older versions): NaN
+        pair = [n for n in (noise[i], noise[j]) if not math.isnan(n)] if noise else []
+        bound = max(pair, default=math.nan)
+        for header in timed:
+            a, b = values[header][i], values[header][j]
+            if math.isnan(a) or math.isnan(b):
+                continue
+            scale = max(abs(a), abs(b))
+            if same or (scale == 0 and not math.isnan(bound)) or abs(a - b) / scale < bound:
+                marked |= {(frame.index[i], header), (frame.index[j], header)}
+    return marked
 
 
 def _value_text(items: list[str], key: str) -> str | None:
@@ -175,6 +227,47 @@ def _cell(value: float, column: Column) -> str:
     return "n/a" if math.isnan(value) else f"{value:,.{column.digits}f}"
 
 
+MARK = "~"  # a timed figure within the noise of another run's, or of a run of the same work
+
+
+def _cells(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """The headers and each run's cells past its label: the figures (a timed one followed by
+    ``MARK`` when ``within_noise``, else by a space to keep the digits aligned, when any
+    is), then ``SAME_WORK`` when any run shares its work."""
+    shown = _shown(frame)
+    marked = within_noise(frame)
+    headers = [c.header for c in shown]
+    rows = []
+    for i in frame.index:
+        row = []
+        for c in shown:
+            text = _cell(frame[c.header][i], c)
+            if c.timed and marked:
+                text += MARK if (i, c.header) in marked else " "
+            row.append(text)
+        rows.append(row)
+    if any(frame[SAME_WORK]):
+        headers.append(SAME_WORK)
+        for row, letter in zip(rows, frame[SAME_WORK], strict=True):
+            row.append(letter or "-")
+    return headers, rows
+
+
+def _noise_note(frame: pd.DataFrame) -> str:
+    """What ``MARK`` and ``SAME_WORK`` mean, when the table shows either."""
+    if not within_noise(frame) and not any(frame[SAME_WORK]):
+        return ""
+    return textwrap.fill(
+        f"{MARK}: a timed figure this table cannot rank against another run's: the two differ by "
+        "less than the larger of their noise (timing_noise: the machine's speed moving over "
+        f"the run), or the two did the same work ({SAME_WORK}: one letter for runs with the "
+        "same steps, tokens and batches, whose timed differences are the machine's and host "
+        "work, not the policies' decisions). To compare policies, replay on the model clock "
+        "(README: which clock for a policy comparison).",
+        width=100,
+    )
+
+
 def _shown(frame: pd.DataFrame) -> list[Column]:
     """The figures ``frame`` holds, in its order."""
     by_header = {c.header: c for c in _BY_KEY.values()}
@@ -196,33 +289,55 @@ def _notes(frame: pd.DataFrame) -> str:
     )
 
 
+def format_unfinished(path: str | Path) -> list[str]:
+    """A line per run folder under ``path`` that holds no summary.json (a failed or
+    interrupted job), its folder relative to ``path`` and why, after a line counting them."""
+    jobs = results.unfinished(path)
+    if not jobs:
+        return []
+    n = len(jobs)
+    lines = [f"{n} unfinished run{'s' if n != 1 else ''} (not in the table):"]
+    for run_dir, why in jobs:
+        lines.append(f"  {Path(run_dir).relative_to(path).as_posix()}: {why}")
+    return lines
+
+
 def format_text(frame: pd.DataFrame, path: str | Path) -> str:
     """The table for a terminal: the folder, a two-line header (figure, unit), one line per
-    run, and a note naming each column's summary key."""
-    n, shown = len(frame), _shown(frame)
-    rows = [[c.name for c in shown], [c.unit for c in shown]]
-    for values in frame[[c.header for c in shown]].values:
-        rows.append([_cell(v, c) for v, c in zip(values, shown, strict=True)])
+    run, a note naming each column's summary key and one on ``MARK`` when any cell has it,
+    then the unfinished runs under ``path``."""
+    n = len(frame)
+    by_header = {c.header: c for c in _shown(frame)}
+    headers, cells = _cells(frame)
+    rows = [
+        [by_header[h].name if h in by_header else h for h in headers],
+        [by_header[h].unit if h in by_header else "" for h in headers],
+        *cells,
+    ]
     labels = [RUN, "", *frame[RUN]]
     width = max(len(s) for s in labels)
-    widths = [max(len(r[j]) for r in rows) for j in range(len(shown))]
+    widths = [max(len(r[j]) for r in rows) for j in range(len(headers))]
     lines = [f"{n} finished run{'s' if n != 1 else ''} in {path}"]
     for label, row in zip(labels, rows, strict=True):
-        cells = "  ".join(f"{s:>{w}}" for s, w in zip(row, widths, strict=True))
-        lines.append(f"{label:<{width}}  {cells}")
-    return "\n".join([*lines, _notes(frame)])
+        cells_text = "  ".join(f"{s:>{w}}" for s, w in zip(row, widths, strict=True))
+        lines.append(f"{label:<{width}}  {cells_text}")
+    notes = [_notes(frame), _noise_note(frame)]
+    return "\n".join([*lines, *filter(None, notes), *format_unfinished(path)])
 
 
 def format_markdown(frame: pd.DataFrame, path: str | Path) -> str:
     """The table as GitHub Markdown, headers ``figure (unit)``, then the folder and the note."""
-    shown = _shown(frame)
-    headers = [RUN, *(c.header for c in shown)]
-    lines = ["| " + " | ".join(headers) + " |", "|---" + "|---:" * len(shown) + "|"]
-    for row in frame[headers].values:
-        label = str(row[0]).replace("|", "\\|")
-        cells = [_cell(v, c) for v, c in zip(row[1:], shown, strict=True)]
-        lines.append("| " + " | ".join([f"`{label}`", *cells]) + " |")
-    return "\n".join([*lines, "", f"Runs in `{path}`. {_notes(frame)}"])
+    headers, cells = _cells(frame)
+    lines = ["| " + " | ".join([RUN, *headers]) + " |", "|---" + "|---:" * len(headers) + "|"]
+    for label, row in zip(frame[RUN], cells, strict=True):
+        label = str(label).replace("|", "\\|")
+        lines.append("| " + " | ".join([f"`{label}`", *(c.strip() for c in row)]) + " |")
+    listed = []
+    if unfinished := format_unfinished(path):
+        listed = ["", unfinished[0], "", *(f"- {line.strip()}" for line in unfinished[1:])]
+    noise = _noise_note(frame)
+    notes = [f"Runs in `{path}`. {_notes(frame)}", *(["", noise] if noise else [])]
+    return "\n".join([*lines, "", *notes, *listed])
 
 
 def format_csv(frame: pd.DataFrame) -> str:
@@ -243,11 +358,13 @@ class CompareCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        frame = table(sweep_dir, self.headline)
-        if frame.empty:
-            print(f"no finished run in {sweep_dir}")
-        else:
-            print(format_text(frame, sweep_dir))
+        try:
+            frame = table(sweep_dir, self.headline)
+            text = format_text(frame, sweep_dir) if not frame.empty else ""
+        except results.ResultFileError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return
+        print(text or f"no finished run in {sweep_dir}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -267,9 +384,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         frame = table(args.path)
+        if frame.empty:
+            text = ""
+        elif args.csv:
+            text = format_csv(frame).removesuffix("\n")
+        elif args.markdown:
+            text = format_markdown(frame, args.path)
+        else:
+            text = format_text(frame, args.path)
     except CompareError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except results.ResultFileError as e:  # a damaged file (summary.json, jobs.json): named
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(1)
     if frame.empty:
         print(
             f"{PROG}: no finished run in {args.path} (a run is finished once its folder holds "
@@ -277,12 +405,7 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         sys.exit(1)
-    if args.csv:
-        print(format_csv(frame), end="")
-    elif args.markdown:
-        print(format_markdown(frame, args.path))
-    else:
-        print(format_text(frame, args.path))
+    print(text)
 
 
 if __name__ == "__main__":

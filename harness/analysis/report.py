@@ -12,7 +12,10 @@ is left out.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,14 +92,29 @@ PLOTS = (
 def write(path: str | Path, out: str | Path | None = None) -> Path:
     """Draw every figure of the finished runs under ``path`` into ``out`` (default
     ``path/report``) and write ``report.md`` there, linking each; returns report.md's path.
-    Raises ``CompareError`` when ``path`` is not a folder, ``ValueError`` when no run under
-    it has finished."""
+    The files are drawn in a temporary folder beside ``out`` and moved in once all are drawn,
+    so a report that fails (a damaged run) leaves ``out`` as it was. Raises ``CompareError``
+    when ``path`` is not a folder, ``ValueError`` when no run under it has finished or a
+    run's file cannot be read (``ResultFileError``, ``MetricsError``: naming the file)."""
     frame = runs(path)
     if frame.empty:
         raise ValueError(f"no finished run in {path} (a run is finished once its folder holds "
                          "summary.json)")  # fmt: skip
     out = Path(path) / "report" if out is None else Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    drawn = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        _draw(frame, path, drawn)
+        out.mkdir(exist_ok=True)
+        for file in drawn.iterdir():
+            os.replace(file, out / file.name)
+    finally:
+        shutil.rmtree(drawn, ignore_errors=True)
+    return out / REPORT_FILE
+
+
+def _draw(frame: pd.DataFrame, path: str | Path, out: Path) -> None:
+    """The figures of ``frame`` (the runs under ``path``) and report.md, into ``out``."""
     n = len(frame)
     lines = [
         f"# kvbench report: {n} run{'s' if n != 1 else ''} in `{path}`",
@@ -112,9 +130,7 @@ def write(path: str | Path, out: str | Path | None = None) -> Path:
         lines.append(f"![{plot.title}]({plot.file})")
         if caveat := plot.caveat(frame):
             lines += ["", caveat]
-    report = out / REPORT_FILE
-    report.write_text("\n".join(lines) + "\n")
-    return report
+    (out / REPORT_FILE).write_text("\n".join(lines) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -140,8 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except compare.CompareError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (ValueError, OSError) as e:  # no run; a run's unreadable table (MetricsError names
-        # its row and column; a missing file, its path)
+    except (ValueError, OSError) as e:  # no run; a run's missing or damaged file (named)
         print(f"{PROG}: {e}", file=sys.stderr)
         sys.exit(1)
     print(f"report: {report} ({len(list(report.parent.glob('*.png')))} figures)")

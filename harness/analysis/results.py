@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 import yaml
 
-from harness.analysis.metrics import requests_frame, steps_frame
+from harness.analysis.metrics import MetricsError, requests_frame, steps_frame
 from harness.analysis.vllm_bench import vllm_summary
 
 SUMMARY_FILE = "summary.json"
@@ -30,6 +31,12 @@ REQUESTS_FILE = "requests.parquet"
 STEPS_FILE = "steps.parquet"
 FAILED_FILE = "failed.txt"
 VLLM_BENCH_FILE = "vllm_bench.json"
+JOBS_FILE = "jobs.json"  # a sweep folder's: the jobs its last launch planned
+
+
+class ResultFileError(ValueError):
+    """A run's file is missing or cannot be read (not JSON, not a table, damaged bytes): the
+    message names the file and what to do about it."""
 
 
 def _atomic(path: Path, write: Callable[[str], None]) -> None:
@@ -78,19 +85,70 @@ def write_failure(run_dir: str | os.PathLike, error: BaseException) -> None:
 
 
 def read_summary(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The run's summary, or None if it has not finished (no summary.json)."""
+    """The run's summary, or None if it has not finished (no summary.json). Raises
+    ``ResultFileError`` naming the file when it is not a JSON object."""
     path = Path(run_dir) / SUMMARY_FILE
     if not path.exists():
         return None
-    return {k: math.nan if v is None else v for k, v in json.loads(path.read_text()).items()}
+    try:
+        summary = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ResultFileError(f"{path} is not JSON ({e}); {_RERUN}") from None
+    if not isinstance(summary, dict):
+        raise ResultFileError(
+            f"{path} holds a JSON {type(summary).__name__}, not an object of figures; {_RERUN}"
+        )
+    return {k: math.nan if v is None else v for k, v in summary.items()}
+
+
+# what to do about a damaged file: the run is lost, its folder must go for a re-run to repeat it
+_RERUN = "delete the run's folder and run it again (a sweep re-run with its sweep_id repeats it)"
 
 
 def load_tables(run_dir: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """One run's (requests, steps) tables, validated against the metrics schemas."""
+    """One run's (requests, steps) tables, validated against the metrics schemas. Raises
+    ``ResultFileError`` naming a table that is missing or unreadable, ``MetricsError`` (with
+    the file) for one that does not match its schema."""
     run_dir = Path(run_dir)
-    requests = requests_frame(pd.read_parquet(run_dir / REQUESTS_FILE))
-    steps = steps_frame(pd.read_parquet(run_dir / STEPS_FILE))
+    requests = _read_table(run_dir / REQUESTS_FILE, requests_frame)
+    steps = _read_table(run_dir / STEPS_FILE, steps_frame)
     return requests, steps
+
+
+def _read_table(path: Path, schema: Callable[[pd.DataFrame], pd.DataFrame]) -> pd.DataFrame:
+    if not path.exists():
+        raise ResultFileError(f"{path} is missing; {_RERUN}")
+    try:
+        frame = pd.read_parquet(path)
+    except (OSError, pa.ArrowException) as e:  # damaged bytes: pyarrow names no file
+        raise ResultFileError(f"{path} is damaged ({e}); {_RERUN}") from None
+    try:
+        return schema(frame)
+    except MetricsError as e:
+        raise MetricsError(f"{path}: {e}") from None
+
+
+# What a run computed, step by step: the same totals mean the policies decided the same
+# steps, batches and tokens, whatever the clock made of them.
+WORK_COLUMNS = (
+    "prefill_tokens",
+    "decode_tokens",
+    "preempted",
+    "block_copies",
+    "row_groups",
+    "query_tokens_padded",
+    "kv_slots_read",
+)
+
+
+def work_counts(run_dir: str | os.PathLike) -> tuple[int, ...] | None:
+    """The run's steps, then the totals of its steps table's ``WORK_COLUMNS``; None when
+    the table cannot be read (the run's other figures do not need it)."""
+    try:
+        steps = pd.read_parquet(Path(run_dir) / STEPS_FILE, columns=list(WORK_COLUMNS))
+    except (OSError, ValueError, pa.ArrowException):
+        return None
+    return (len(steps), *(int(steps[c].sum()) for c in WORK_COLUMNS))
 
 
 def override_items(run_dir: str | os.PathLike) -> list[str]:
@@ -117,17 +175,25 @@ def overrides(run_dir: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
+def _hidden(run_dir: Path, root: Path) -> bool:
+    """A folder under a dot-named one (a sweep job's ``.partial/`` folder, being written)."""
+    return any(part.startswith(".") for part in run_dir.relative_to(root).parts)
+
+
 def load(path: str | os.PathLike) -> pd.DataFrame:
     """Every finished run under ``path``: one row per run, sorted by folder.
 
     Columns: ``run_dir``; the config group options chosen (``model``, ``allocator``, ...);
     the overrides (e.g. ``trace.rate``); then the summary's scalar figures. Nested records
     (``machine``, ``trace_metadata``) stay in summary.json; ``load_tables(row.run_dir)``
-    gives a run's request and step tables.
+    gives a run's request and step tables. A job still being written (under a dot-named
+    folder) is not a finished run; a damaged summary.json raises ``ResultFileError``.
     """
     rows = []
     for summary_path in sorted(Path(path).rglob(SUMMARY_FILE)):
         run_dir = summary_path.parent
+        if _hidden(run_dir, Path(path)):
+            continue
         summary = read_summary(run_dir) or {}
         row: dict[str, Any] = {"run_dir": str(run_dir)}
         row.update(summary.get("choices", {}))
@@ -135,6 +201,52 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
         row.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def write_jobs(sweep_dir: str | os.PathLike, jobs: list[list[str]], ignore: list[str]) -> None:
+    """Record in ``sweep_dir`` the jobs a sweep's launch planned (each its overrides) and the
+    override keys that do not name a job's folder (``sweep_id``, ``progress``, ...)."""
+    Path(sweep_dir).mkdir(parents=True, exist_ok=True)
+    _write_json(Path(sweep_dir) / JOBS_FILE, {"jobs": jobs, "ignore": ignore})
+
+
+def unfinished(path: str | os.PathLike) -> list[tuple[Path, str]]:
+    """Every run folder under ``path`` without summary.json (a run folder holds Hydra's
+    ``.hydra/`` or a ``failed.txt``), sorted, each with why: the error its failed.txt names,
+    else that its process was stopped before writing (killed) or is still running; then each
+    job a sweep under ``path`` planned (its ``JOBS_FILE``) that has no folder at all, as
+    the folder it would have had: not started."""
+    root = Path(path)
+    folders = {p.parent for p in root.rglob(".hydra")} | {p.parent for p in root.rglob(FAILED_FILE)}
+    out = []
+    for run_dir in sorted(folders):
+        if (run_dir / SUMMARY_FILE).exists():
+            continue
+        failed = run_dir / FAILED_FILE
+        if failed.exists():
+            first = (failed.read_text().strip().splitlines() or ["(no message)"])[0]
+            out.append((run_dir, f"failed: {first}"))
+        else:
+            out.append((run_dir, "no result: still running, or its process was killed"))
+    for plan_path in sorted(root.rglob(JOBS_FILE)):
+        try:
+            plan = json.loads(plan_path.read_text())
+            jobs = [[str(item) for item in job] for job in plan["jobs"]]
+            ignore = {str(key) for key in plan["ignore"]}
+        except (ValueError, KeyError, TypeError) as e:
+            raise ResultFileError(f"{plan_path} is not a sweep's plan ({e}); delete it") from None
+
+        def key(items: list[str], ignore: set[str] = ignore) -> frozenset[str]:
+            return frozenset(i for i in items if override_key(i) not in ignore)
+
+        sweep = plan_path.parent
+        started = {key(override_items(d)) for d in folders if sweep in d.parents}
+        for job in jobs:
+            if key(job) not in started:
+                # the folder Hydra would have made: the overrides sorted, as override_dirname
+                named = ",".join(sorted(i for i in job if override_key(i) not in ignore))
+                out.append((sweep / named, "not started"))
+    return out
 
 
 def _plain(obj: Any) -> Any:

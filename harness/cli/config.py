@@ -28,6 +28,7 @@ OPTIONAL = ("speculative",)  # groups with no default
 SETTINGS = {
     "experiment_name": str,
     "sweep_id": str,
+    "sweep_wait": bool,
     "progress": bool,
     "warmup": int,
     "mlx_cache_limit": int,

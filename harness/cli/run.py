@@ -6,17 +6,20 @@ trace, write the result tables and the summary, print the summary.
     kvbench -m allocator=free_list,radix trace.rate=1,2,4 [hydra/launcher=joblib]
 
 Hydra owns the folders (``conf/config.yaml``: ``results/<experiment_name>/runs/<run_id>`` and
-``results/<experiment_name>/multiruns/<sweep_id>/<overrides>``). A multirun job whose folder
-already holds a summary.json for the same overrides is skipped, so re-running an interrupted
-sweep with its ``sweep_id`` completes only the missing jobs.
+``results/<experiment_name>/multiruns/<sweep_id>/<overrides>``, a sweep job written in
+``<sweep_id>/.partial/<overrides>`` and moved into place when it ends). A multirun job whose
+folder already holds a summary.json for the same overrides is skipped, so re-running an
+interrupted sweep with its ``sweep_id`` completes only the missing jobs.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -50,7 +53,7 @@ from harness.cli.config import validate
 from harness.cli.replay import check_trace, replay, sampling_params
 from harness.engine import LLMEngine
 from harness.engine.sampling_params import SamplingParams, SamplingParamsError
-from harness.platform import machine
+from harness.platform import machine, noise
 from harness.workload.traces import Trace, max_prefix_hit_rate
 
 log = logging.getLogger(__name__)
@@ -132,6 +135,8 @@ def run(
         except BaseException as e:
             results.write_failure(out, e)
             raise
+    # the machine's speed before and after the replay: timed figures mean nothing closer
+    probes = noise.probe() if engine.clock.measures else []
     mx.reset_peak_memory()  # mlx_peak_bytes is this run's, not an earlier job's
     started = time.perf_counter()
     try:
@@ -151,6 +156,7 @@ def run(
     requests, steps = _tables(engine)
     results.write_tables(out, requests, steps)
     summary = summarize(requests, steps, clock=engine.clock.name)
+    probes += noise.probe() if engine.clock.measures else []
     block_size = engine.allocator.block_size
     summary.update(
         wall_time=wall_time,
@@ -159,6 +165,7 @@ def run(
         max_prefix_hit_rate=max_prefix_hit_rate(sent.requests, answers=sent.answers),
         max_prefix_hit_rate_blocks=max_prefix_hit_rate(sent.requests, block_size, sent.answers),
         warmup_requests=min(cfg.warmup, len(trace)) if engine.clock.measures else 0,
+        timing_noise=noise.spread(probes) if probes else math.nan,
         profile=_profile(engine),
         model_name=model.name,
         num_blocks=engine.allocator.num_blocks,
@@ -322,17 +329,53 @@ def finished_run(output_dir: str | Path, overrides: Sequence[str], ignore: Seque
     return done
 
 
+PARTIAL = ".partial"  # conf/config.yaml's hydra.sweep.subdir: a sweep job being written
+
+
+def job_folder(output_dir: Path) -> Path:
+    """Where a job's folder goes once it ends: a sweep job written in
+    ``<sweep>/.partial/<name>`` goes to ``<sweep>/<name>``; any other folder stays put."""
+    if output_dir.parent.name == PARTIAL:
+        return output_dir.parent.parent / output_dir.name
+    return output_dir
+
+
+def publish(written: Path, final: Path) -> None:
+    """Move a job's folder from where it was written to ``final`` in one rename (a reader
+    sees the whole job or none of it), replacing an earlier failed attempt's folder."""
+    if written == final or not written.exists():
+        return
+    if final.exists():
+        replaced = written.with_name(f"{written.name}.replaced")
+        shutil.rmtree(replaced, ignore_errors=True)  # left by a process killed right here
+        os.rename(final, replaced)
+        os.rename(written, final)
+        shutil.rmtree(replaced)
+    else:
+        os.rename(written, final)
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> dict[str, Any]:
     """The ``kvbench`` console script: one job of a run or of a sweep."""
     hc = HydraConfig.get()
-    out = Path(hc.runtime.output_dir)
+    written = Path(hc.runtime.output_dir)
+    out = job_folder(written)
     overrides = list(hc.overrides.task)
     if hc.mode == RunMode.MULTIRUN:
         ignore = list(hc.job.config.override_dirname.exclude_keys)
-        done = finished_run(out, overrides, ignore)
+        try:
+            done = finished_run(out, overrides, ignore)
+        except results.ResultFileError as e:  # a damaged summary.json: the job cannot be judged
+            shutil.rmtree(written, ignore_errors=True)
+            print(f"kvbench: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        except SweepMismatchError:
+            shutil.rmtree(written, ignore_errors=True)
+            raise
         if done is not None:
             log.info("skipped: %s already holds a finished run", out)
+            shutil.rmtree(written, ignore_errors=True)  # only Hydra's config and this log line
             return done
     choices = {g: c for g, c in hc.runtime.choices.items() if not g.startswith("hydra")}
     if "joblib" in hc.launcher.get("_target_", "").lower() and hc.launcher.get("n_jobs") != 1:
@@ -344,7 +387,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         )
     try:
         with _terminable():
-            summary = run(cfg, out, overrides=overrides, choices=choices)
+            try:
+                summary = run(cfg, written, overrides=overrides, choices=choices)
+            finally:  # finished or failed, the job's folder goes into place whole
+                publish(written, out)
     except UsageError as e:
         # SystemExit passes through Hydra's handler, which would print a traceback.
         print(f"kvbench: error: {e}", file=sys.stderr)

@@ -18,13 +18,15 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from harness.analysis import results
 from harness.cli.load_sweep import jobs
 from harness.cli.run import check
 
 
 class SweepCheck(Callback):
     """On multirun start: compose and ``check`` each job; the first problem is one line on
-    stderr naming the setting and the job, exit status 2, before any job runs."""
+    stderr naming the setting and the job, exit status 2, before any job runs. Once all
+    pass, the jobs are recorded in the sweep folder (``results.write_jobs``)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         hc = config.hydra
@@ -40,3 +42,6 @@ class SweepCheck(Callback):
                     f"kvbench: error: {message} (job {i} of {len(todo)}: {where})", file=sys.stderr
                 )
                 sys.exit(2)
+        # what kvbench-compare lists as not started until each job has a folder
+        ignore = list(hc.job.config.override_dirname.exclude_keys)
+        results.write_jobs(str(hc.sweep.dir), todo, ignore)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from support import ROOT
 
@@ -99,6 +100,7 @@ def test_text_table_cell_by_cell(sweep: Path) -> None:
         "TPOT p50",
         "ITL p99",
         "goodput",
+        "noise",
         "KV tokens",
         "KV util",
         "preempt",
@@ -115,6 +117,7 @@ def test_text_table_cell_by_cell(sweep: Path) -> None:
         "req/s",
         "%",
         "%",
+        "%",
         "count",
         "%",
     ]
@@ -128,6 +131,7 @@ def test_text_table_cell_by_cell(sweep: Path) -> None:
         "1.0",
         "n/a",
         "1.00",
+        "n/a",
         "25.0",
         "50.0",
         "0",
@@ -143,6 +147,7 @@ def test_text_table_cell_by_cell(sweep: Path) -> None:
         "4.0",
         "20.0",
         "2.00",
+        "n/a",
         "50.0",
         "87.5",
         "3",
@@ -158,6 +163,7 @@ def test_text_table_cell_by_cell(sweep: Path) -> None:
         "3.0",
         "4.0",
         "1.50",
+        "n/a",
         "12.5",
         "100.0",
         "1",
@@ -198,12 +204,14 @@ def test_csv_is_unrounded_with_counts_as_integers(sweep: Path, capsys) -> None:
         "TPOT p50 (ms)",
         "ITL p99 (ms)",
         "goodput (req/s)",
+        "noise (%)",
         "KV tokens (%)",
         "KV util (%)",
         "preempt (count)",
         "prefix hit (%)",
         "clock",
         "run_dir",
+        "same work",
     ]
     assert rows[1] == [
         "allocator=free_list,trace.rate=4",
@@ -215,12 +223,14 @@ def test_csv_is_unrounded_with_counts_as_integers(sweep: Path, capsys) -> None:
         "1.0",
         "",
         "1.0",
+        "",
         "25.0",
         "50.0",
         "0",
         "",
         "virtual",
         str(sweep / "allocator=free_list,trace.rate=4,progress=false"),
+        "",
     ]  # fmt: skip  (NaN cells are empty)
     assert len(rows) == 4
 
@@ -232,7 +242,7 @@ def test_markdown_table(sweep: Path, capsys) -> None:
     assert lines[1] == "|---" + "|---:" * len(compare.COLUMNS) + "|"
     assert lines[3] == (
         "| `allocator=free_list,trace.rate=16` | 6 | 2.50 | 20.0 | 12.5 | 250.0 | 4.0 | 20.0 "
-        "| 2.00 | 50.0 | 87.5 | 3 | 0.0 |"
+        "| 2.00 | n/a | 50.0 | 87.5 | 3 | 0.0 |"
     )
     assert lines[6].startswith(f"Runs in `{sweep}`.")
 
@@ -327,3 +337,105 @@ def test_every_experiment_shows_its_headline_figures(name: str, tmp_path: Path) 
     text = compare.format_text(compare.table(tmp_path, callback.headline), tmp_path)
     shown = {c.key for c in compare.columns(callback.headline) if c.name in text}
     assert set(callback.headline) <= shown
+
+
+def test_an_interrupted_sweep_lists_its_unfinished_jobs_after_the_table(
+    sweep: Path, capsys
+) -> None:
+    def job(allocator: str, rate: int) -> list[str]:
+        return [f"allocator={allocator}", f"trace.rate={rate}", "progress=false"]
+
+    # what the sweep's launch planned: the three finished, the failed one, one whose process
+    # was killed (left under .partial/) and one it never reached
+    planned = [*(o for o, _ in JOBS), job("buddy", 4), job("buddy", 16), job("radix", 16)]
+    results.write_jobs(sweep, planned, ignore=["progress", "sweep_id"])
+    for folder, overrides in ((".partial/allocator=buddy,trace.rate=16", job("buddy", 16)),
+                              ("allocator=buddy,trace.rate=4", job("buddy", 4))):  # fmt: skip
+        (sweep / folder / ".hydra").mkdir(parents=True, exist_ok=True)
+        (sweep / folder / ".hydra" / "overrides.yaml").write_text(
+            "".join(f"- {o}\n" for o in overrides)
+        )
+    compare.main([str(sweep)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"3 finished runs in {sweep}"
+    assert lines[-4:] == [
+        "3 unfinished runs (not in the table):",
+        "  .partial/allocator=buddy,trace.rate=16: no result: still running, or its process "
+        "was killed",
+        "  allocator=buddy,trace.rate=4: failed: RuntimeError: boom",
+        "  allocator=radix,trace.rate=16: not started",
+    ]
+    compare.main([str(sweep), "--markdown"])
+    markdown = capsys.readouterr().out.splitlines()
+    assert markdown[-1] == "- allocator=radix,trace.rate=16: not started"
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [('{"done": 6', "is not JSON (Expecting"), ("[1, 2]", "holds a JSON list, not an object")],
+    ids=["truncated", "list"],
+)
+def test_a_damaged_summary_is_one_line_naming_the_file(
+    sweep: Path, capsys, text: str, said: str
+) -> None:
+    damaged = sweep / ",".join(JOBS[0][0]) / results.SUMMARY_FILE
+    damaged.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        compare.main([str(sweep)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1
+    assert err.startswith(f"kvbench-compare: error: {damaged} {said}")
+    assert err.count("\n") == 1 and "delete the run's folder" in err
+
+
+def test_timed_figures_closer_than_the_noise_are_marked(tmp_path: Path) -> None:
+    # thruput 10 and 12 (17 % apart) on a machine whose speed moved 25 % during the first:
+    # not rankable; 20 is more than either run's noise from both.
+    for name, thruput, noise in (("a", 10.0, 0.25), ("b", 12.0, 0.05), ("c", 20.0, 0.05)):
+        write_run(tmp_path / name, [f"allocator={name}"],
+                  dict(request_throughput=thruput, timing_noise=noise))  # fmt: skip
+    frame = compare.table(tmp_path)
+    assert frame["noise (%)"].tolist() == [25.0, 5.0, 5.0]
+    lines = compare.format_text(frame, tmp_path).splitlines()
+    assert [re.split(r"\s{2,}", line)[2] for line in lines[3:6]] == ["10.00~", "12.00~", "20.00"]
+    assert "~: a timed figure this table cannot rank" in " ".join(lines[6:])
+
+
+def test_runs_of_the_same_work_share_a_letter_and_their_timed_figures_are_marked(
+    tmp_path: Path,
+) -> None:
+    # 25 % apart with a quiet machine (1 % noise), but the same steps, tokens and batches: the
+    # policies decided the same, so the difference is the machine's or host work.
+    work = pd.DataFrame({c: [3, 5] for c in results.WORK_COLUMNS})
+    other = work.assign(prefill_tokens=[3, 6])
+    for name, thruput, steps in (("free_list", 8.0, work), ("radix", 10.0, work),
+                                 ("buddy", 20.0, other)):  # fmt: skip
+        write_run(tmp_path / name, [f"allocator={name}"],
+                  dict(request_throughput=thruput, timing_noise=0.01))  # fmt: skip
+        steps.to_parquet(tmp_path / name / results.STEPS_FILE)
+    frame = compare.table(tmp_path)
+    assert dict(zip(frame["run"], frame["same work"], strict=True)) == {
+        "allocator=buddy": "", "allocator=free_list": "a", "allocator=radix": "a"
+    }  # fmt: skip
+    # rows: buddy, free_list, radix; buddy's other work is 50 % from both, beyond 1 %
+    assert compare.within_noise(frame) == {(1, "thruput (req/s)"), (2, "thruput (req/s)")}
+    lines = compare.format_text(frame, tmp_path).splitlines()
+    assert lines[1].split()[-2:] == ["same", "work"] and lines[3].split()[-1] == "-"
+
+
+def test_priced_figures_are_never_marked(tmp_path: Path) -> None:
+    for name in ("free_list", "radix"):
+        write_run(tmp_path / name, [f"allocator={name}"], dict(request_throughput=10.0))
+        summary = results.read_summary(tmp_path / name)
+        results.write_summary(tmp_path / name, {**summary, "clock": "model"})
+    assert compare.within_noise(compare.table(tmp_path)) == set()
+
+
+def test_a_damaged_plan_of_jobs_is_one_line_naming_it(sweep: Path, capsys) -> None:
+    (sweep / results.JOBS_FILE).write_text('{"jobs": 3}')
+    with pytest.raises(SystemExit) as exit_:
+        compare.main([str(sweep)])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvbench-compare: error: {sweep / results.JOBS_FILE} is not a sweep's")
+    assert err.count("\n") == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -218,3 +219,37 @@ def test_a_missing_folder_is_one_line_and_exit_2(tmp_path, capsys) -> None:
         report.main([str(tmp_path / "nope")])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == f"kvbench-report: error: {tmp_path / 'nope'} does not exist\n"
+
+
+def _zero_a_data_page(path: Path) -> None:
+    """A kilobyte of zeros over the first column's data, past the magic number and the page
+    header (pyarrow: "Corrupt snappy compressed data.", naming no file)."""
+    data = bytearray(path.read_bytes())
+    data[16:1040] = bytes(1024)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "file", "said"),
+    [
+        (lambda p: p.write_text("{"), results.SUMMARY_FILE, "is not JSON"),
+        (lambda p: p.write_text("[]"), results.SUMMARY_FILE, "holds a JSON list"),
+        (_zero_a_data_page, results.REQUESTS_FILE, "is damaged"),
+        (Path.unlink, results.REQUESTS_FILE, "is missing"),
+    ],
+    ids=["summary_not_json", "summary_a_list", "requests_zeroed", "requests_missing"],
+)
+def test_a_damaged_run_is_one_line_naming_its_file_and_leaves_no_report(
+    sweep: Path, tmp_path: Path, capsys, damage, file: str, said: str
+) -> None:
+    copy = tmp_path / "s"
+    shutil.copytree(sweep, copy, ignore=shutil.ignore_patterns("report"))
+    damaged = copy / ",".join(["allocator=radix", "engine.num_blocks=64", "trace.rate=4",
+                               "trace=smoke", "warmup=0"]) / file  # fmt: skip
+    damage(damaged)
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(copy)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1
+    assert err.startswith(f"kvbench-report: {damaged} {said}") and err.count("\n") == 1
+    assert [p.name for p in copy.iterdir() if "report" in p.name] == []  # nor a temporary one

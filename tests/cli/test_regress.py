@@ -88,6 +88,62 @@ def test_an_improved_count_passes_with_a_note_to_rewrite_the_baseline(tmp_path, 
     assert "figures: 1 passed, 0 failed" in out
 
 
+@pytest.fixture
+def darwin(tmp_path, monkeypatch) -> Path:
+    """The committed baselines' folder as a new platform sees it: common.json (the row groups
+    of the mixed workload) and no file of darwin-arm64's own."""
+    folder = tmp_path / "baselines"
+    folder.mkdir()
+    monkeypatch.setattr(regress, "BASELINES", folder)
+    monkeypatch.setattr(regress, "COMMON_BASELINE", folder / "common.json")
+    monkeypatch.setattr(regress, "platform_name", lambda: "darwin-arm64")
+    (folder / "common.json").write_text(json.dumps({"figures": {"work.mixed.row_groups": 109}}))
+    return folder
+
+
+def test_a_platform_without_its_own_baseline_says_so_and_fails_on_a_count(
+    darwin, tmp_path, capsys, measured
+):
+    measured |= {
+        "work.mixed.row_groups": 200,  # padded batches: the same count on any machine
+        "work.mixed.calls_per_step": 9999.0,  # Python calls: this platform's own
+        "engine.uniform": 0.1,
+    }
+    with pytest.raises(SystemExit) as exit_:
+        regress.main(["--output", str(tmp_path / "out")])
+    assert exit_.value.code == 1
+    out, err = capsys.readouterr()
+    said = [line for line in out.splitlines() if "darwin-arm64's own" in line]
+    assert said == [
+        f"kvbench-regress: no baseline of darwin-arm64's own ({darwin / 'darwin-arm64.json'}): "
+        "its timed figures and Python calls per step are not compared, the figures no machine "
+        f"changes are ({darwin / 'common.json'}); --update-baseline on this platform starts one"
+    ]
+    assert "regressed: work.mixed.row_groups = 200, baseline 109" in err
+    assert "calls_per_step" not in err
+
+
+def test_update_writes_each_figure_into_the_file_of_its_kind(darwin, tmp_path, measured):
+    measured |= {"work.mixed.row_groups": 100, "work.mixed.calls_per_step": 450.0,
+                 "engine.uniform": 0.9, "policy.radix.hit_rate": 0.75}  # fmt: skip
+    regress.main(["--output", str(tmp_path / "out"), "--update-baseline"])
+    common = json.loads((darwin / "common.json").read_text())["figures"]
+    own = json.loads((darwin / "darwin-arm64.json").read_text())["figures"]
+    assert common == {"work.mixed.row_groups": 100, "policy.radix.hit_rate": 0.75}
+    assert own == {"work.mixed.calls_per_step": 450.0, "engine.uniform": 0.9}
+
+
+def test_each_committed_figure_is_in_the_baseline_of_its_kind_once():
+    common = json.loads(regress_suite.COMMON_BASELINE.read_text())["figures"]
+    linux = json.loads((regress_suite.BASELINES / "linux-x86_64.json").read_text())["figures"]
+    shared = {n for n, f in regress_suite.FIGURES.items() if not f.per_platform}
+    assert set(common) == shared
+    assert not set(linux) & shared
+    assert {n for n in linux if n.endswith("calls_per_step")} == {
+        "work.uniform.calls_per_step", "work.mixed.calls_per_step"
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("content", "field"),
     [
@@ -194,7 +250,7 @@ def test_padded_batches_fail_naming_the_padding_counts(baseline, tmp_path, capsy
 def test_the_policy_figures_repeat_exactly_with_two_busy_processes_beside_them(tmp_path):
     """Priced by the committed profile, the policies' latencies, throughput, preemptions and
     hit rates are the same quiet and under load, and the committed baseline's (this
-    machine's; they are the same on any platform, so linux-x86_64's serves every one)."""
+    machine's; they are the same on any platform: common.json serves every one)."""
     quiet = regress_suite.policy_figures(tmp_path / "quiet")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
@@ -203,6 +259,6 @@ def test_the_policy_figures_repeat_exactly_with_two_busy_processes_beside_them(t
         for p in busy:
             p.kill()
     assert loaded == quiet
-    committed = json.loads((regress_suite.BASELINES / "linux-x86_64.json").read_text())
+    committed = json.loads(regress_suite.COMMON_BASELINE.read_text())
     for name, value in quiet.items():
         assert value == pytest.approx(committed["figures"][name], rel=regress_suite.PRICED), name

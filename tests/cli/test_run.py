@@ -381,3 +381,30 @@ def test_the_sampling_node_builds_each_requests_params() -> None:
     got = sampling_params(req, partial(SamplingParams, temperature=0.8, top_p=0.9))
     assert got == SamplingParams(temperature=0.8, top_p=0.9, max_tokens=7, ignore_eos=True)
     assert sampling_params(req) == SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+
+
+def test_a_timed_run_records_the_machines_noise_and_a_priced_one_none(
+    compose_cfg, tmp_path: Path
+) -> None:
+    from support import ROOT
+
+    timed = run(compose_cfg(["warmup=0"]), tmp_path / "virtual")
+    assert math.isfinite(timed["timing_noise"]) and timed["timing_noise"] >= 0
+    profile = ROOT / "results/baselines/profile-llama-tiny.json"
+    priced = run(compose_cfg(["engine.clock=model", f"engine.profile={profile}"]), tmp_path / "m")
+    assert math.isnan(priced["timing_noise"])
+
+
+def test_a_sweep_rerun_over_a_damaged_summary_names_it_and_exits_2(kvbench, tmp_path) -> None:
+    job = tmp_path / "results/default/multiruns/s/allocator=radix,engine.num_blocks=64,trace=smoke"
+    job.mkdir(parents=True)
+    (job / "summary.json").write_text("[]")
+    proc = kvbench("-m", "allocator=radix", "sweep_id=s", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        f"kvbench: error: {job / 'summary.json'} holds a JSON list, not an "
+        "object of figures; delete the run's folder and run it again (a sweep re-run with its "
+        "sweep_id repeats it)"
+    )
+    assert (job / "summary.json").read_text() == "[]"  # nothing of it lost
+    assert not (job.parent / ".partial" / job.name).exists()

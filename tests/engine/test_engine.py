@@ -22,6 +22,7 @@ from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import RequestError, build_engine
+from harness.engine.intake import OutputCutWarning
 from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.sampling import sample
@@ -186,6 +187,20 @@ def test_prompt_that_can_never_fit_is_aborted_with_a_reason(model, prompts):
     assert outs[0].outputs[0].finish_reason == "abort"
     assert "KV arena" in outs[0].abort_reason
     assert outs[1].outputs[0].finish_reason == "length"
+
+
+def test_an_output_cut_to_fit_max_model_len_is_said_once_per_engine(model):
+    engine = build_engine(model, FreeListAllocator, FCFSScheduler, num_blocks=8, max_model_len=40)
+    asks = SamplingParams(temperature=0, max_tokens=10**9)
+    with pytest.warns(OutputCutWarning) as said:
+        outs = engine.generate([[1, 2, 3], [4, 5]], asks)
+    assert [str(w.message) for w in said] == [
+        "request 'gen-0': max_tokens=1000000000 does not fit max_model_len=40 after its "
+        "3-token prompt: its output stops at 37 tokens (finish_reason='length'); said once, "
+        "for this engine's first such request"
+    ]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [37, 38]
+    assert {o.outputs[0].finish_reason for o in outs} == {"length"}
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,7 @@ import harness  # noqa: F401  (switches MLX to MKL before anything imports mlx)
 from allocators.base import BlockAllocator
 from harness.cli.run import CONFIG_DIR
 from harness.engine import LLMEngine, build_engine
+from harness.engine.model_runner import ModelRunner, Row
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler
 from schedulers.fcfs import FCFSScheduler
@@ -38,6 +40,37 @@ def random_prompts(lengths: Iterable[int], seed: int) -> list[list[int]]:
     """One prompt of each length, of random token ids from 1 to 1023, drawn from ``seed``."""
     rng = np.random.default_rng(seed)
     return [rng.integers(1, 1024, n).tolist() for n in lengths]
+
+
+class FakeTime:
+    """An injected ``time.perf_counter`` and ``time.sleep``: time moves only when the test
+    (or a sleep) moves it, so a test asserts durations it set instead of reading the wall."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept += seconds
+        self.now += seconds
+
+
+def timed_forwards(monkeypatch, cost: Callable[[Sequence[Row]], float]) -> FakeTime:
+    """Injected time in which a model forward of ``rows`` takes ``cost(rows)`` seconds and
+    nothing else takes any: step durations become counts a test can give by hand."""
+    fake = FakeTime()
+    monkeypatch.setattr(time, "perf_counter", fake.perf_counter)
+    forward = ModelRunner.forward
+
+    def timed(self, rows, carried=None):
+        fake.sleep(cost(rows))
+        return forward(self, rows, carried)
+
+    monkeypatch.setattr(ModelRunner, "forward", timed)
+    return fake
 
 
 def build_with_policy(

@@ -25,8 +25,16 @@ def check_trace(trace: Trace, vocab_size: int) -> None:
     """Fail before any work on what a generated trace's own checks cannot know: a prompt
     token id outside the model's vocabulary, or an SLO that is not a positive number (a
     config knob such as ``trace.ttft_slo`` passed through untyped)."""
+    tokenizer = trace.metadata.get("parameters", {}).get("tokenizer")
     for req in trace:
         bad = max(req.prompt_token_ids)
+        if bad >= vocab_size and tokenizer is not None:  # a chat trace: a model's own tokens
+            raise TraceError(
+                f"request {req.request_id!r}: the trace was tokenized by {tokenizer!r} "
+                f"(trace.tokenizer) into ids up to {bad}, outside the model's vocabulary "
+                f"[0, {vocab_size}): run it with model=smollm2 (or model=pretrained and "
+                "trace.tokenizer set to that model's folder)"
+            )
         if bad >= vocab_size:
             raise TraceError(
                 f"request {req.request_id!r}: field 'prompt_token_ids' holds id {bad}, outside "

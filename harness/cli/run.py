@@ -52,6 +52,7 @@ from harness.analysis.metrics import (
 from harness.cli.config import validate
 from harness.cli.replay import check_trace, replay, sampling_params
 from harness.engine import LLMEngine
+from harness.engine.intake import OutputCutWarning, cut
 from harness.engine.sampling_params import SamplingParams, SamplingParamsError
 from harness.platform import machine, noise
 from harness.workload.traces import Trace, max_prefix_hit_rate
@@ -128,20 +129,24 @@ def run(
         # pay them on a throwaway engine, so the measured one starts with a clean arena,
         # prefix cache and clock. Its buffers go back to MLX's cache for the real one.
         try:
-            warm_up(engine, trace, cfg.warmup, sampling)
+            with _cut_said():
+                warm_up(engine, trace, cfg.warmup, sampling)
             del engine
             gc.collect()
             engine = build()
         except BaseException as e:
             results.write_failure(out, e)
             raise
+    for line in filter(None, (_clipped(trace), _cut(trace, engine))):
+        log.warning(line)
     # the machine's speed before and after the replay: timed figures mean nothing closer
     probes = noise.probe() if engine.clock.measures else []
     mx.reset_peak_memory()  # mlx_peak_bytes is this run's, not an earlier job's
     started = time.perf_counter()
     try:
         log.info("replaying %d requests", len(trace))  # in the try: an interrupt keeps rows
-        sent = replay(engine, trace, sampling=sampling, progress=cfg.progress)
+        with _cut_said():
+            sent = replay(engine, trace, sampling=sampling, progress=cfg.progress)
     except BaseException as e:
         log.error(
             "replay %s: writing the %d finished requests' rows to %s",
@@ -180,6 +185,43 @@ def run(
     return summary
 
 
+def _clipped(trace: Trace) -> str | None:
+    """One line saying what clipping a public trace to ``trace.max_len`` changed, or None."""
+    meta = trace.metadata
+    if not meta.get("clipped_requests"):
+        return None
+    (p0, p1), (o0, o1) = meta["clipped_means"]["prompt"], meta["clipped_means"]["output"]
+    return (
+        f"trace.max_len={meta['max_len']} clipped {meta['clipped_requests']:,} of "
+        f"{len(trace):,} requests, the output first: mean prompt {p0:,.1f} -> {p1:,.1f} "
+        f"tokens, mean output {o0:,.1f} -> {o1:,.1f}; raise engine.max_model_len (and the "
+        "arena) to replay them whole"
+    )
+
+
+def _cut(trace: Trace, engine: LLMEngine) -> str | None:
+    """One line counting the requests whose output the engine's longest sequence cuts short
+    (finish_reason 'length'), or None; a trace that lets EOS end answers may stop sooner."""
+    limit = engine.scheduler.max_seq_len
+    n = sum(cut(len(r.prompt_token_ids), r.max_tokens, limit) for r in trace)
+    if not n:
+        return None
+    will = "are" if all(r.ignore_eos for r in trace) else "may be"
+    return (
+        f"{n:,} of {len(trace):,} requests ask for more output than fits a sequence of "
+        f"{limit} tokens (engine.max_model_len={engine.scheduler.max_model_len}, or what "
+        f"the arena holds): their outputs {will} cut to fit (finish_reason=length)"
+    )
+
+
+@contextmanager
+def _cut_said() -> Iterator[None]:
+    """No ``OutputCutWarning`` per engine: ``_cut`` said it before the replay, with the count."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OutputCutWarning)
+        yield
+
+
 def _profile(engine: LLMEngine) -> dict[str, Any] | None:
     """The cost profile that priced a model clock's steps: its file, kind, where it was
     measured (or the device it was derived for) and its model (None on a measuring clock)."""
@@ -205,6 +247,13 @@ def check(cfg: DictConfig) -> tuple[Trace, Callable[..., SamplingParams]]:
     sampling values; return the trace and the sampling partial. Raises ``ConfigError``, a
     component's ``ValueError`` or ``OSError`` naming the setting."""
     validate(cfg)
+    max_len, model_len = cfg.trace.generator.get("max_len"), cfg.engine.get("max_model_len")
+    if isinstance(max_len, int) and isinstance(model_len, int) and max_len > model_len:
+        # its longer requests would replay, to be aborted, and be told only at the end
+        raise ValueError(
+            f"trace.max_len={max_len} is above engine.max_model_len={model_len}: lower "
+            f"trace.max_len to {model_len} or less, or raise engine.max_model_len"
+        )
     trace = build_component(cfg.trace.generator)
     if not len(trace):
         raise ValueError(f"the trace has no requests ({_empty_trace_knobs(cfg)}): nothing to run")

@@ -62,6 +62,10 @@ class ProfileError(ValueError):
     """A profile file that cannot be used; the message names the file, the field and the fix."""
 
 
+class ProfileWarning(UserWarning):
+    """A profile used where it may price wrongly: at a block size it was not calibrated at."""
+
+
 class Profile(Protocol):
     """What the model clock needs from a profile."""
 

@@ -13,12 +13,13 @@ engine (the ``engine`` config group's ``_target_``, and what scripts and tests c
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Literal
 
 from allocators.base import BlockAllocator
-from harness.costmodel.profile import Profile, fingerprint
+from harness.costmodel.profile import Profile, ProfileWarning, fingerprint
 from harness.costmodel.profile import load as load_profile
 from harness.engine.clock import CLOCKS
 from harness.engine.kv_cache import KVFormat
@@ -87,7 +88,7 @@ def build_engine(
     speculative drafts accepted with probability ``acceptance`` (default: the profile's
     measured rate). ``seed``, ``record``, ``pipeline`` and ``logprobs_mode`` are
     ``LLMEngine``'s."""
-    modelled = _modelled(model, clock, profile, acceptance, speculative, pipeline)
+    modelled = _modelled(model, clock, profile, acceptance, speculative, pipeline, block_size)
     kv_format = KVFormat(kv_bits, kv_group_size)
     kv_format.check(model)
     if kv_format.quantized and model.window_layers:
@@ -216,6 +217,7 @@ def _modelled(
     acceptance: float | None,
     speculative: Speculative | None,
     pipeline: bool,
+    block_size: int,
 ) -> tuple[Profile, float] | None:
     """The model clock's profile and acceptance rate, checked (None for a measuring clock)."""
     if clock != "model":
@@ -241,6 +243,14 @@ def _modelled(
             f"engine.profile={profile!r} prices model {priced.data['model'].get('name')!r} "
             f"(fingerprint {theirs}), not {model.name!r} ({mine}): calibrate this model, "
             "or pick its model= group"
+        )
+    if priced.data["block_size"] != block_size:  # its per-block costs were counted at its own
+        warnings.warn(
+            f"engine.profile={profile!r} was calibrated at block size "
+            f"{priced.data['block_size']} and prices this engine's engine.block_size="
+            f"{block_size}: calibrate at {block_size} for per-block costs that hold",
+            ProfileWarning,
+            stacklevel=3,
         )
     if model.window_layers:
         raise ValueError(

@@ -9,6 +9,7 @@ queued or reserved when one fails.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +26,18 @@ Params = SamplingParams | BeamSearchParams  # how a request generates
 
 class RequestError(ValueError):
     """A request is malformed; the message names the field and the fix."""
+
+
+class OutputCutWarning(UserWarning):
+    """A request asks for more output than the engine's longest sequence leaves after its
+    prompt: its output is cut there (finish_reason 'length')."""
+
+
+def cut(num_prompt_tokens: int, max_tokens: int, max_seq_len: int) -> bool:
+    """Whether a request's output is cut short of ``max_tokens`` by ``max_seq_len`` (the
+    scheduler's: max_model_len, or what one sequence can hold); a longer prompt is aborted
+    instead; a prompt of exactly ``max_seq_len`` still gets its first token."""
+    return num_prompt_tokens <= max_seq_len and max(1, max_seq_len - num_prompt_tokens) < max_tokens
 
 
 def tokenize(model: LoadedModel, request_id: str, prompt: str | Sequence[int]) -> list[int]:
@@ -139,6 +152,7 @@ class Intake:
         self.speculative = speculative
         self.has_window = has_window
         self.logits = logits
+        self.warned_cut = False  # OutputCutWarning is said once per engine
 
     def add(
         self,
@@ -169,6 +183,8 @@ class Intake:
             restore_kv=restore_kv,
             logits=self.logits,
         )
+        if not self.warned_cut:
+            self._warn_if_cut(request_id, len(tokens), params.max_tokens)
         restored = None
         if restore_kv:
             restored = self.host.restorable(request_id, restore_kv, tokens, params)
@@ -198,3 +214,20 @@ class Intake:
                 num_restored, blocks = restored
                 self.host.keep(request_id, blocks)
             self.scheduler.add(seq, restored=num_restored, keep_kv=save_kv is not None)
+
+    def _warn_if_cut(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> None:
+        limit = self.scheduler.max_seq_len
+        if not cut(num_prompt_tokens, max_tokens, limit):
+            return
+        self.warned_cut = True
+        model_len = self.scheduler.max_model_len
+        what, left = f"max_model_len={model_len}", max(1, limit - num_prompt_tokens)
+        if limit < model_len:
+            what = f"the {limit} tokens one sequence can hold in the arena (below {what})"
+        warnings.warn(
+            f"request {request_id!r}: max_tokens={max_tokens} does not fit {what} after its "
+            f"{num_prompt_tokens}-token prompt: its output stops at {left} "
+            "tokens (finish_reason='length'); said once, for this engine's first such request",
+            OutputCutWarning,
+            stacklevel=4,
+        )

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,13 @@ def converted(weights: str = "auto", cache: str | os.PathLike | None = None) -> 
     root = Path(cache) if cache is not None else cache_root()
     folder = root / "models" / f"SmolLM2-135M-Instruct-{weights}-{version}-c{CONVERSION}"
     if not (folder / "config.json").is_file():
+        # some seconds with nothing else to show: say why, once (later runs load the folder)
+        print(
+            f"kvbench: converting SmolLM2-135M-Instruct ({weights} weights) on first use "
+            f"into {folder}",
+            file=sys.stderr,
+            flush=True,
+        )
         folder.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
         try:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from harness.workload.distributions import ArrivalProcess
-from harness.workload.generators import describe_component, make_trace
+from harness.workload.generators import check_count, describe_component, make_trace
 from harness.workload.traces import Trace, TraceRequest
 
 PROMPTS_FILE = Path(__file__).parent / "data" / "chat_prompts.json"
@@ -69,6 +69,7 @@ def chat(
 ) -> Trace:
     """``num_conversations`` chats of ``turns`` turns each (module docstring); a follow-up
     arrives an exponential think time (mean ``think_time`` s) after the turn before ends."""
+    check_count("trace.num_requests", num_conversations)  # conf/trace/chat.yaml's knob
     if turns < 1 or think_time < 0 or max_tokens < 1:
         raise ValueError(
             f"trace: turns={turns}, think_time={think_time}, max_tokens={max_tokens}: need "

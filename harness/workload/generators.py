@@ -55,6 +55,12 @@ def make_trace(
     return Trace(ordered, metadata)
 
 
+def check_count(key: str, value: int) -> None:
+    """A count of requests or conversations (``key``: its config knob) is >= 0."""
+    if value < 0:
+        raise ValueError(f"{key}={value} is invalid: a count >= 0")
+
+
 def _check_vocab(vocab_size: int) -> None:
     if vocab_size < 2:
         raise ValueError(
@@ -78,6 +84,7 @@ def synthetic(
     drawn per request by weight (default: everyone priority 0). ``slos``: per class
     ``{priority: {ttft: s, tpot: s}}``; a class without an entry has no SLO.
     """
+    check_count("trace.num_requests", num_requests)
     _check_vocab(vocab_size)
     rng = np.random.default_rng(seed)
     times = arrival.sample(num_requests, rng)
@@ -120,6 +127,8 @@ def shared_prefix(
     The N*M requests arrive in a random interleaving, so a prefix cache sees each system
     prompt first cold, then warm.
     """
+    check_count("trace.num_system_prompts", num_system_prompts)
+    check_count("trace.users_per_prompt", users_per_prompt)
     _check_vocab(vocab_size)
     if system_prompt_len < 1:
         raise ValueError(f"system_prompt_len must be >= 1, got {system_prompt_len}")
@@ -170,6 +179,7 @@ def multi_turn(
     after turn k's arrival. The trace is open-loop: a short think time can send a turn before
     the previous answer is finished.
     """
+    check_count("trace.num_conversations", num_conversations)
     _check_vocab(vocab_size)
     if turns < 1 or think_time < 0:
         raise ValueError(f"need turns >= 1 and think_time >= 0, got {turns}, {think_time}")
@@ -222,11 +232,11 @@ def mooncake_like(
     Turn k's prompt is the system prompt, every earlier turn's user blocks and answer blocks
     (the answer as fresh ids: the trace's answer, not the engine's), then ``user_blocks`` new
     blocks, the last one partial. Requests are the first ``num_requests`` by arrival."""
+    check_count("trace.num_requests", num_requests)
     _check_vocab(vocab_size)
-    if num_requests < 0 or turns < 1 or hash_block < 1 or system_blocks < 0:
+    if turns < 1 or hash_block < 1 or system_blocks < 0:
         raise ValueError(
-            "mooncake_like: num_requests >= 0, turns >= 1, hash_block >= 1 and "
-            "system_blocks >= 0 required"
+            "mooncake_like: turns >= 1, hash_block >= 1 and system_blocks >= 0 required"
         )
     rng = np.random.default_rng(seed)
     starts = arrival.sample(num_requests, rng)  # enough sessions: each has >= 1 request

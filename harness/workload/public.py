@@ -24,10 +24,13 @@ so two prompts sharing its id share its first tokens only up to the shorter).
 For all three: arrivals are seconds from the first record; ``start`` and ``duration``
 (seconds) keep the records arriving in ``[start, start + duration)``; ``time_scale`` divides
 the kept arrivals (2.0 replays twice as fast), measured from ``start``; ``max_requests`` keeps
-the first so many. Lengths are clipped so that prompt + output <= ``max_len``: the output
-first (at least 1 token), then the prompt's tail; the count of clipped requests is in the
-trace's metadata (``clipped_requests``), and so in the run's ``summary.json``
-(``trace_metadata``). A malformed file is a ``TraceError`` naming the file, line and column.
+the first so many. Lengths are clipped so that prompt + output <= ``max_len`` (``None``: not
+clipped; the configs' default is ``engine.max_model_len``): the output first (at least 1
+token), then the prompt's tail; the count of clipped requests and the mean lengths before and
+after are in the trace's metadata (``clipped_requests``, ``clipped_means``), and so in the
+run's ``summary.json`` (``trace_metadata``). A file whose records all have 0 prompt or 0
+output tokens is refused, saying so. A malformed file is a ``TraceError`` naming the file,
+line and column.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ class Window:
 def azure(
     path: str,
     *,
-    max_len: int,
+    max_len: int | None,
     vocab_size: int,
     seed: int = 0,
     start: float = 0.0,
@@ -121,6 +124,7 @@ def azure(
             empty += 1
             continue
         records.append(_ordered(records, Record(t - first, prompt, output), where))
+    _some_replayable(path, records, empty, "ContextTokens or GeneratedTokens")
     params = {"path": str(path), "seed": seed, **_describe(window)}
     trace = _random_trace("azure", window.apply(records), params, max_len, vocab_size, seed)
     trace.metadata["skipped_empty"] = empty
@@ -130,7 +134,7 @@ def azure(
 def burstgpt(
     path: str,
     *,
-    max_len: int,
+    max_len: int | None,
     vocab_size: int,
     model: str | None = None,
     log_type: str | None = None,
@@ -165,6 +169,7 @@ def burstgpt(
                 f"{path}: trace.{name}={value!r} matches no row; the file has "
                 f"{sorted(kept)} (null: all)"
             )
+    _some_replayable(path, records, failed, "Request tokens or Response tokens")
     params = {
         "path": str(path),
         "model": model,
@@ -180,7 +185,7 @@ def burstgpt(
 def mooncake(
     path: str,
     *,
-    max_len: int,
+    max_len: int | None,
     vocab_size: int,
     hash_block: int = 512,
     seed: int = 0,
@@ -221,7 +226,7 @@ def _random_trace(
     name: str,
     records: list[Record],
     params: dict[str, Any],
-    max_len: int,
+    max_len: int | None,
     vocab_size: int,
     seed: int,
 ) -> Trace:
@@ -241,7 +246,7 @@ def hashed_trace(
     name: str,
     records: list[Record],
     params: dict[str, Any],
-    max_len: int,
+    max_len: int | None,
     vocab_size: int,
     seed: int,
     hash_block: int,
@@ -278,9 +283,11 @@ def block_tokens(seed: int, ids: np.ndarray, hash_block: int, vocab_size: int) -
     return (x % np.uint64(vocab_size - 1)).astype(np.int64) + 1
 
 
-def clip(prompt: int, output: int, max_len: int) -> tuple[int, int]:
+def clip(prompt: int, output: int, max_len: int | None) -> tuple[int, int]:
     """Lengths with prompt + output <= ``max_len``: the output first (at least 1), then the
-    prompt's tail."""
+    prompt's tail (``None``: as they are)."""
+    if max_len is None:
+        return prompt, output
     output = max(1, min(output, max_len - prompt))
     return min(prompt, max_len - output), output
 
@@ -291,10 +298,11 @@ def _finish(
     params: dict[str, Any],
     records: list[Record],
     clipped: list[tuple[int, int]],
-    max_len: int,
+    max_len: int | None,
     vocab_size: int,
 ) -> Trace:
     changed = sum((r.prompt_len, r.output_len) != c for r, c in zip(records, clipped, strict=True))
+    before = [(r.prompt_len, r.output_len) for r in records]
     metadata = {
         "generator": name,
         "parameters": params,
@@ -302,9 +310,28 @@ def _finish(
         "vocab_size": vocab_size,
         "max_len": max_len,
         "clipped_requests": changed,
+        # mean prompt and output lengths of the file's records, then of the trace's requests
+        "clipped_means": {
+            part: [_mean(lengths, i) for lengths in (before, clipped)]
+            for i, part in enumerate(("prompt", "output"))
+        },
         "max_prefix_hit_rate": max_prefix_hit_rate(requests),
     }
     return Trace(tuple(requests), metadata)
+
+
+def _mean(lengths: list[tuple[int, int]], i: int) -> float | None:
+    return sum(n[i] for n in lengths) / len(lengths) if lengths else None
+
+
+def _some_replayable(path: str, records: list[Record], empty: int, columns: str) -> None:
+    """Refuse a file whose every (selected) record was skipped for 0 tokens, saying so: the
+    empty trace's own message could only name the knobs."""
+    if empty and not records:
+        raise TraceError(
+            f"{path}: all {empty} rows have 0 {columns} (failed requests: nothing to prefill "
+            "or nothing generated) and were skipped; the trace has no request to replay"
+        )
 
 
 def _describe(window: Window) -> dict[str, Any]:

@@ -10,9 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import timed_forwards
 
 from harness.analysis import results
 from harness.bench import batch_memory, preemption
+from harness.engine.model_runner import ModelRunner
 from harness.platform.models import LoadedModel
 
 # Lengths at most 64 each, every request at t=0 (the experiments' own rate).
@@ -66,11 +68,29 @@ def test_preemption_runs_both_modes_and_swaps_only_in_swap_mode(run_kvbench_at, 
         assert (steps["swap_out_blocks"].sum() > 0) == (mode == "swap")
 
 
-@pytest.mark.parametrize("mode", preemption.MODES)
-def test_one_controlled_preemption_costs_time(model: LoadedModel, mode: str) -> None:
-    # one_preemption checks the scenario itself: one preemption, a recompute of every token
-    # or a step that only swaps in.
-    assert preemption.one_preemption(model, "contiguous", mode, 40) > 0
+def test_one_controlled_preemption_costs_what_it_moves_or_recomputes(
+    model: LoadedModel, monkeypatch
+) -> None:
+    """Injected time: a forward takes 1 s per token it feeds, a swap 1 s per block, nothing
+    else any. one_preemption checks the scenario itself (one preemption, a recompute of
+    every token or a step that only swaps in); its cost, for a 40-token victim: recompute
+    feeds 41 tokens where a decode feeds 1, 40 s; swap moves the victim's 3 blocks out,
+    then in, 6 s."""
+    fake = timed_forwards(monkeypatch, lambda rows: sum(len(r.tokens) for r in rows))
+    swap_out, swap_in = ModelRunner.swap_out, ModelRunner.swap_in
+
+    def timed_out(self, blocks):
+        fake.sleep(len(blocks))
+        return swap_out(self, blocks)
+
+    def timed_in(self, host, blocks, first=0):
+        fake.sleep(len(blocks))
+        return swap_in(self, host, blocks, first)
+
+    monkeypatch.setattr(ModelRunner, "swap_out", timed_out)
+    monkeypatch.setattr(ModelRunner, "swap_in", timed_in)
+    assert preemption.one_preemption(model, "contiguous", "recompute", 40) == 40
+    assert preemption.one_preemption(model, "contiguous", "swap", 40) == 6
 
 
 def test_crossover_is_the_length_from_which_swap_stays_cheaper() -> None:
@@ -87,17 +107,38 @@ def test_crossover_is_the_length_from_which_swap_stays_cheaper() -> None:
     assert preemption.crossover(costs, "a", [16, 64, 256]) is None
 
 
-def test_padding_waste_batch_generator_holds_more_than_its_tokens(run_kvbench_at, tmp_path):
+def test_padding_waste_batch_generator_holds_more_than_its_tokens(
+    run_kvbench_at, tmp_path, monkeypatch
+):
     run_kvbench_at("-m", "experiment=padding_waste", "allocator=free_list", *SHORT)
     ((_, run),) = _runs(tmp_path, "padding_waste").iterrows()
     assert run["completed"] == 6 and run["preemptions"] == 0
+    # Injected time: each BatchGenerator call and each kvbench forward takes 1 s, nothing
+    # else any, so a system's throughput is the trace's tokens over its calls.
+    calls = {"generator": 0, "kvbench": 0}
+
+    def forward_cost(rows) -> float:
+        calls["kvbench"] += 1
+        return 1.0
+
+    fake = timed_forwards(monkeypatch, forward_cost)
+    step = batch_memory.BatchGenerator.next
+
+    def timed_step(self):
+        calls["generator"] += 1
+        fake.sleep(1.0)
+        return step(self)
+
+    monkeypatch.setattr(batch_memory.BatchGenerator, "next", timed_step)
+    got, facts = batch_memory.measure(list(SHORT[:2]) + ["warmup=0"], ["free_list"])
+    generator, paged = got["BatchGenerator"], got["free_list"]
     # At most 128 tokens a row: BatchGenerator's 256-slot growth step leaves over half of
     # every row empty, a 16-slot block at most 15 slots.
-    got, _ = batch_memory.measure(list(SHORT[:2]) + ["warmup=0"], ["free_list"])
-    generator, paged = got["BatchGenerator"], got["free_list"]
     assert 0 < generator.tokens < generator.allocated <= generator.peak_allocated
     assert generator.utilisation < 0.5 < paged.utilisation <= 1
-    assert generator.tokens_per_s > 0 and paged.tokens_per_s > 0
+    # every output token produced (EOS ignored): the trace's prompt and output tokens
+    assert generator.tokens_per_s == pytest.approx(facts["tokens"] / calls["generator"])
+    assert paged.tokens_per_s == pytest.approx(facts["tokens"] / calls["kvbench"])
 
 
 @pytest.fixture

@@ -7,9 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
-from support import run_kvbench
+from support import compose_config, run_kvbench, timed_forwards
 
 from harness.analysis import metrics, results
+from harness.cli.run import run
 
 # Seconds-long versions of the experiments: few requests, short prompts, a small arena.
 SMALL = ("engine.num_blocks=256", "progress=false")
@@ -55,12 +56,31 @@ def test_chunked_prefill_bounds_each_step_and_the_baselines_compute_prompts_whol
         requests, steps = results.load_tables(folder / name)
         assert (requests["finish_reason"] == "length").all()
         tokens[Path(name).name] = steps["prefill_tokens"] + steps["decode_tokens"]
-        threshold = 5 * metrics.decode_step_time(steps)
-        assert 0 <= metrics.decode_stalls(requests, threshold) <= len(metrics.itl_gaps(requests))
     chunk64 = next(v for k, v in tokens.items() if "max_chunk=64" in k)
     whole = [v for k, v in tokens.items() if "max_chunk=64" not in k]
     assert chunk64.max() <= 64  # the token budget: decodes plus a chunk
     assert len(whole) == 2 and all(v.max() > 64 for v in whole)  # some prompt in one step
+
+
+def test_chunks_within_the_budget_stall_no_decode_and_whole_prompts_do(tmp_path, monkeypatch):
+    """Injected time: a forward takes 1 s plus 0.05 s per token fed beyond one a row, so a
+    decode-only step takes 1 s and a stall (a gap over 5 decode steps) needs a step feeding
+    over 80 prompt tokens: never in a 64-token budget, and whole prompts of up to 512 do."""
+    timed_forwards(monkeypatch, lambda rows: 1 + 0.05 * sum(len(r.tokens) - 1 for r in rows))
+    tiny = ["experiment=chunked_prefill", "trace.num_requests=6", "warmup=0", "progress=false",
+            "trace.generator.prompt_len.max=512"]  # fmt: skip
+    policies = {
+        "chunk 64": ["scheduler.max_chunk=64"],
+        "whole": ["scheduler=fcfs", "scheduler.order=prefill_first",
+                  "scheduler.max_num_batched_tokens=2048"],
+    }  # fmt: skip
+    stalls = {}
+    for name, policy in policies.items():
+        run(compose_config([*tiny, *policy], tiny=False), tmp_path / name)
+        requests, steps = results.load_tables(tmp_path / name)
+        assert metrics.decode_step_time(steps) == 1.0
+        stalls[name] = metrics.decode_stalls(requests, 5 * 1.0)
+    assert stalls["chunk 64"] == 0 < stalls["whole"]
 
 
 def test_speculative_exact_draft_accepts_everything_and_plain_has_no_verification(tmp_path):

@@ -241,9 +241,11 @@ def test_a_knob_bypassed_by_its_builders_parameter_names_the_knob(compose_cfg) -
 
 
 def test_a_knob_read_by_interpolation_from_another_node_passes(compose_cfg) -> None:
-    cfg = compose_cfg(["+trace.budget=64", "scheduler=chunked_prefill"])
+    cfg = compose_cfg(["+trace.budget=640", "scheduler=chunked_prefill"])
     cfg.scheduler.max_num_batched_tokens = "${trace.budget}"
     validate(cfg)
+    scheduler = instantiate(cfg.scheduler)(FreeListAllocator(num_blocks=8, block_size=16))
+    assert scheduler.max_num_batched_tokens == 640  # the knob reached the scheduler
 
 
 def test_misspelt_override_is_refused_by_hydra(compose_cfg) -> None:

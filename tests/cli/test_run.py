@@ -4,6 +4,7 @@ an interrupted sweep finished by a re-run."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -14,10 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from support import FakeTime
 
 from harness.analysis import results
 from harness.analysis.metrics import SUMMARY_KEYS, summarize
-from harness.cli.run import SweepMismatchError, finished_run, run, run_id
+from harness.cli.run import SweepMismatchError, check, finished_run, run, run_id
+from harness.engine.intake import OutputCutWarning
 
 SWEEP_2X2 = ("allocator=free_list,radix", "scheduler=fcfs,chunked_prefill")
 
@@ -50,14 +53,21 @@ def test_run_writes_tables_and_summary(compose_cfg, tmp_path: Path) -> None:
     assert_recomputes(tmp_path, summary)
 
 
-def test_wall_clock_replays_in_real_time(compose_cfg, tmp_path: Path) -> None:
-    started = time.perf_counter()
-    summary = run(compose_cfg(["engine.clock=wall"]), tmp_path)
-    elapsed = time.perf_counter() - started
+def test_wall_clock_replays_in_real_time(compose_cfg, tmp_path: Path, monkeypatch) -> None:
+    """On an injected wall clock that only sleeping moves (every step takes 0 s of it), the
+    replay sleeps until each arrival: in all, exactly until the last, and every request
+    arrives when the trace says."""
+    fake = FakeTime()
+    monkeypatch.setattr("harness.engine.clock.time", fake)
+    cfg = compose_cfg(["engine.clock=wall", "warmup=0"])
+    summary = run(cfg, tmp_path)
     requests, _ = results.load_tables(tmp_path)
+    trace = {r.request_id: r.arrival_time for r in check(cfg)[0]}
     assert summary["clock"] == "wall"
-    last_arrival = requests["arrival_time"].max() - requests["arrival_time"].min()
-    assert elapsed >= last_arrival  # the replay waited for the last arrival
+    assert fake.slept == pytest.approx(max(trace.values())) and fake.slept > 0
+    assert requests["arrival_time"].to_numpy() == pytest.approx(
+        requests["request_id"].map(trace).to_numpy()
+    )
     assert_recomputes(tmp_path, summary)
 
 
@@ -408,3 +418,73 @@ def test_a_sweep_rerun_over_a_damaged_summary_names_it_and_exits_2(kvbench, tmp_
     )
     assert (job / "summary.json").read_text() == "[]"  # nothing of it lost
     assert not (job.parent / ".partial" / job.name).exists()
+
+
+AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.6805900,374,44
+2023-11-16 18:15:47.1805900,396,109
+2023-11-16 18:15:49.6805900,1500,900
+2023-11-16 18:15:50.0000000,10,5
+"""
+
+
+def test_a_public_traces_max_len_follows_engine_max_model_len(compose_cfg, tmp_path) -> None:
+    (tmp_path / "a.csv").write_text(AZURE)
+    path = f"trace.path={tmp_path / 'a.csv'}"
+    for max_model_len in (1024, 4096):
+        cfg = compose_cfg(["trace=azure", path, f"engine.max_model_len={max_model_len}"])
+        trace, _ = check(cfg)
+        assert cfg.trace.generator.max_len == max_model_len
+        longest = max(len(r.prompt_token_ids) + r.max_tokens for r in trace)
+        assert longest == min(max_model_len, 1500 + 900)  # 4096: the trace whole
+
+
+def test_a_trace_max_len_above_engine_max_model_len_is_refused_before_any_work(kvbench) -> None:
+    # the file does not exist: refused before it is read
+    proc = kvbench("trace=azure", "trace.path=none.csv", "trace.max_len=4096", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr == (
+        "kvbench: error: trace.max_len=4096 is above engine.max_model_len=2048: lower "
+        "trace.max_len to 2048 or less, or raise engine.max_model_len\n"
+    )
+
+
+def test_a_clipped_replay_says_what_changed_in_one_line_before_it(
+    compose_cfg, tmp_path, caplog
+) -> None:
+    """At 1,024 tokens the 1,500 + 900 record keeps 1,023 prompt tokens and 1 output token:
+    mean prompt (374 + 396 + 1,500 + 10) / 4 = 570 -> (374 + 396 + 1,023 + 10) / 4 = 450.75,
+    mean output (44 + 109 + 900 + 5) / 4 = 264.5 -> (44 + 109 + 1 + 5) / 4 = 39.75."""
+    (tmp_path / "a.csv").write_text(AZURE)
+    overrides = ["trace=azure", f"trace.path={tmp_path / 'a.csv'}", "engine.max_model_len=1024"]
+    caplog.set_level(logging.INFO, logger="harness.cli.run")
+    run(compose_cfg([*overrides, "warmup=0"]), tmp_path / "run")
+    lines = [r.getMessage() for r in caplog.records]
+    clipped = (
+        "trace.max_len=1024 clipped 1 of 4 requests, the output first: mean prompt 570.0 -> "
+        "450.8 tokens, mean output 264.5 -> 39.8; raise engine.max_model_len (and the arena) "
+        "to replay them whole"
+    )
+    assert lines.index(clipped) < lines.index("replaying 4 requests")
+
+
+def test_outputs_cut_to_fit_max_model_len_are_counted_once_before_the_replay(
+    compose_cfg, tmp_path, caplog, recwarn
+) -> None:
+    """smoke's (prompt, max_tokens): (29, 9), (38, 8), (24, 9), (28, 12), (40, 6), (32, 11);
+    in 40 tokens the 2nd, 5th and 6th cannot have all theirs."""
+    cfg = compose_cfg(["engine.max_model_len=40", "warmup=0"])
+    caplog.set_level(logging.INFO, logger="harness.cli.run")
+    run(cfg, tmp_path)
+    lines = [r.getMessage() for r in caplog.records]
+    said = (
+        "3 of 6 requests ask for more output than fits a sequence of 40 tokens "
+        "(engine.max_model_len=40, or what the arena holds): their outputs are cut to fit "
+        "(finish_reason=length)"
+    )
+    assert lines.index(said) < lines.index("replaying 6 requests")
+    asked = {r.request_id: r.max_tokens for r in check(cfg)[0]}
+    requests, _ = results.load_tables(tmp_path)
+    short = requests[requests["output_tokens"] < requests["request_id"].map(asked)]
+    assert len(short) == 3 and (short["finish_reason"] == "length").all()
+    assert not [w for w in recwarn if issubclass(w.category, OutputCutWarning)]  # said once

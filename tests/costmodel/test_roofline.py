@@ -231,7 +231,11 @@ def test_command_writes_a_loadable_profile(tmp_path, capsys):
     assert main(["--device", "h100", "--model", "small", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert printed.splitlines()[0] == str(out) and "prefill, 512 tokens" in printed
-    assert load(out).predict(decode_step(1, 512, 16)) > 0
+    # the file is the profile its options ask for: small, float32 (the default), block 16
+    asked = profile(shape_of("small", "float32"), "h100")
+    other = profile(shape_of("small", "bfloat16"), "h100")
+    for step in (decode_step(1, 512, 16), prefill_step(512, 16)):
+        assert load(out).predict(step) == asked.predict(step) != other.predict(step)
 
 
 @pytest.mark.parametrize(

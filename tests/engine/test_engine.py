@@ -15,13 +15,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from reference import mlx_lm_tokens
-from support import ALLOCATORS, assert_all_free, build_with_policy
+from support import ALLOCATORS, FakeTime, assert_all_free, build_with_policy
 
 from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
 from harness.engine import RequestError, build_engine
+from harness.engine.clock import VirtualClock
+from harness.engine.intake import OutputCutWarning
 from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.sampling import sample
@@ -188,6 +190,20 @@ def test_prompt_that_can_never_fit_is_aborted_with_a_reason(model, prompts):
     assert outs[1].outputs[0].finish_reason == "length"
 
 
+def test_an_output_cut_to_fit_max_model_len_is_said_once_per_engine(model):
+    engine = build_engine(model, FreeListAllocator, FCFSScheduler, num_blocks=8, max_model_len=40)
+    asks = SamplingParams(temperature=0, max_tokens=10**9)
+    with pytest.warns(OutputCutWarning) as said:
+        outs = engine.generate([[1, 2, 3], [4, 5]], asks)
+    assert [str(w.message) for w in said] == [
+        "request 'gen-0': max_tokens=1000000000 does not fit max_model_len=40 after its "
+        "3-token prompt: its output stops at 37 tokens (finish_reason='length'); said once, "
+        "for this engine's first such request"
+    ]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [37, 38]
+    assert {o.outputs[0].finish_reason for o in outs} == {"length"}
+
+
 @pytest.mark.parametrize(
     "prompt, match",
     [([], "empty"), ([5, 99999], "outside the vocabulary"), ("text", "tokenizer")],
@@ -223,10 +239,13 @@ def test_requests_added_and_aborted_from_another_thread(model, prompts, referenc
 
 
 def test_a_token_is_stamped_when_it_exists_after_sampling(model, prompts, monkeypatch):
-    """A slow sampler delays the first token: TTFT includes it (it was stamped before)."""
+    """A sampler that takes 0.2 s (of injected time, the only time that passes) delays the
+    first token: TTFT is those 0.2 s (stamped before sampling, it would be 0)."""
+    fake = FakeTime()
+    monkeypatch.setattr(time, "perf_counter", fake.perf_counter)
 
     def slow(*args, **kwargs):
-        time.sleep(0.2)
+        fake.sleep(0.2)
         return sample(*args, **kwargs)
 
     monkeypatch.setattr("harness.engine.step_sampler.sample", slow)
@@ -237,20 +256,36 @@ def test_a_token_is_stamped_when_it_exists_after_sampling(model, prompts, monkey
     engine.step()
     (row,) = engine.recorder.requests
     (step,) = engine.recorder.steps
-    assert row["first_token_time"] - row["arrival_time"] >= 0.2
-    assert row["first_token_time"] <= step["start_time"] + step["duration"]
+    assert row["first_token_time"] - row["arrival_time"] == pytest.approx(0.2)
+    assert step["start_time"] + step["duration"] == pytest.approx(0.2)
+
+
+class HandOver(VirtualClock):
+    """Reads 0 s until the engine's lock is let go, 5 s after; says when it was read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read, self.released = threading.Event(), threading.Event()
+
+    def now(self) -> float:
+        self.read.set()
+        return 5.0 if self.released.is_set() else 0.0
 
 
 def test_a_request_from_another_thread_arrives_when_it_is_handed_over(model, prompts):
-    """Arrival is stamped before add_request waits for the engine's lock, not after."""
-    engine = build_engine(model, FreeListAllocator, FCFSScheduler, num_blocks=64, clock="wall")
+    """Arrival is stamped before add_request waits for the engine's lock, not after: at 0 s,
+    while a step holds the lock, not at the 5 s the clock reads once it is let go."""
+    engine = build_engine(model, FreeListAllocator, FCFSScheduler, num_blocks=64)
+    engine.clock = clock = HandOver()
     with engine.lock:  # a step in progress
-        handed_over = engine.clock.now()
         client = threading.Thread(target=engine.add_request, args=("a", prompts[1], GREEDY))
         client.start()
-        time.sleep(0.3)
+        # Read while the lock is held, or (stamped after the lock) never: the wait only bounds
+        # how long a wrong engine holds the test up before it fails below.
+        clock.read.wait(timeout=60)
+        clock.released.set()
     client.join()
-    assert engine.scheduler.waiting[0].arrival_time - handed_over < 0.2
+    assert engine.scheduler.waiting[0].arrival_time == 0.0
 
 
 class LetterTokenizer:

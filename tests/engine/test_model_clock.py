@@ -15,7 +15,7 @@ from allocators.free_list import FreeListAllocator
 from harness.analysis.metrics import acceptance_rate, steps_frame
 from harness.cli.run import UsageError
 from harness.cli.run import run as run_experiment
-from harness.costmodel.profile import FORMAT, VERSION, fingerprint, save
+from harness.costmodel.profile import FORMAT, VERSION, ProfileWarning, fingerprint, save
 from harness.costmodel.work import PRICED
 from harness.engine import build_engine
 from harness.engine.intake import RequestError
@@ -199,6 +199,18 @@ def test_a_profile_of_another_model_is_refused(model, tmp_path):
     other = random_model("llama", "small")
     with pytest.raises(ValueError, match="prices model 'llama-tiny.*calibrate this model"):
         modelled(other, toy_profile(model, tmp_path))
+
+
+def test_a_profile_used_at_another_block_size_warns_naming_both(model, tmp_path, recwarn):
+    profile = toy_profile(model, tmp_path)  # calibrated at 16
+    modelled(model, profile)
+    assert not [w for w in recwarn if issubclass(w.category, ProfileWarning)]
+    with pytest.warns(ProfileWarning) as said:
+        modelled(model, profile, block_size=32)
+    assert [str(w.message) for w in said] == [
+        f"engine.profile={profile!r} was calibrated at block size 16 and prices this "
+        "engine's engine.block_size=32: calibrate at 32 for per-block costs that hold"
+    ]
 
 
 def test_the_model_clock_needs_a_profile_and_speculation_an_acceptance(model, tmp_path):

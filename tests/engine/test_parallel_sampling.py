@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 from reference import mlx_lm_tokens
-from support import ALLOCATORS, assert_all_free, build_with_policy
+from support import ALLOCATORS, assert_all_free, build_with_policy, timed_forwards
 
 from harness.analysis.metrics import requests_frame, steps_frame, summarize
 from harness.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -29,8 +29,9 @@ def engine(model, allocator, num_blocks=64, **kwargs):
 
 @pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)
 def test_greedy_completions_are_mlx_lms_and_paged_allocators_share_the_prompt(
-    model, prompt, allocator
+    model, prompt, allocator, monkeypatch
 ):
+    timed_forwards(monkeypatch, lambda rows: 1.0)
     e = engine(model, allocator)
     (out,) = e.generate([prompt], dataclasses.replace(GREEDY, n=4))
     ref = mlx_lm_tokens(model, prompt, MAX_TOKENS)
@@ -55,8 +56,12 @@ def test_greedy_completions_are_mlx_lms_and_paged_allocators_share_the_prompt(
     # Completions 1..3 got the 40 prompt tokens' KV by the fork: no prefix-cache lookup.
     children = [r for r in rows if "/" in r["request_id"]]
     assert all(r["forked_tokens"] == 40 and r["cached_tokens"] == 0 for r in children)
+    # Each step 1 s (injected): the prefill step's 3 entries, none shared, then 7 decode
+    # steps of 12 entries, 6 shared by a paged allocator: 7 x 6 / (3 + 7 x 12).
+    assert len(steps) == 8
     summary = summarize(requests_frame(rows), steps_frame(steps), clock="virtual")
-    assert 0 <= summary["kv_sharing_saving"] < 1
+    saved = 0 if allocator.__name__ in ("ContiguousAllocator", "BuddyAllocator") else 7 * 6
+    assert summary["kv_sharing_saving"] == pytest.approx(saved / (3 + 7 * 12))
 
 
 def test_completion_i_samples_as_a_request_seeded_seed_plus_i(model, prompt):

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import generate
 from reference import mlx_lm_tokens
+from support import ROOT
 
 from allocators.free_list import FreeListAllocator
 from harness.engine import build_engine
@@ -97,6 +100,36 @@ def test_a_finished_folder_is_reused_and_a_racing_conversion_keeps_the_first(
     won = smol.converted(cache=str(tmp_path))
     assert json.loads((won / "config.json").read_text()) == {"first": True}
     assert os.listdir(won.parent) == [folder.name]  # no half-written folder left behind
+
+
+def test_a_first_use_says_in_one_line_that_it_converts_and_a_reuse_says_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(
+        smol, "convert", lambda source, work, weights: (work / "config.json").write_text("{}")
+    )
+    folder = smol.converted("float32", cache=str(tmp_path))
+    assert capsys.readouterr().err == (
+        f"kvbench: converting SmolLM2-135M-Instruct (float32 weights) on first use into {folder}\n"
+    )
+    assert smol.converted("float32", cache=str(tmp_path)) == folder
+    assert capsys.readouterr().err == ""
+
+
+def test_transformers_pytorch_advice_stays_out_of_kvbenchs_output():
+    """transformers says at import that PyTorch is absent (kvbench needs it for tokenizers
+    only); once harness is imported that line is gone. (mlx_lm, imported here, turns all
+    of transformers' advice off for its process and the children: not for them.)"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
+    said = [
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+        ).stderr
+        for code in ("import transformers", "import harness, transformers")
+    ]
+    assert "PyTorch was not found" in said[0]
+    assert "PyTorch was not found" not in said[1]
 
 
 def test_without_the_wheel_one_line_names_the_install_command(monkeypatch):

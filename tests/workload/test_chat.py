@@ -9,7 +9,7 @@ import pytest
 from allocators.free_list import FreeListAllocator
 from harness.analysis import results
 from harness.cli.replay import replay
-from harness.cli.run import check, run
+from harness.cli.run import UsageError, check, run
 from harness.engine import build_engine
 from harness.workload.chat import chat, load_tokenizer, prompt_set
 from harness.workload.distributions import AllAtOnce, Poisson
@@ -91,6 +91,13 @@ def test_follow_ups_of_an_aborted_request_are_not_sent(model):
 def test_a_chat_trace_is_refused_on_the_model_clock_before_any_work(compose_cfg):
     with pytest.raises(ValueError, match="engine.clock=model runs no model"):
         check(compose_cfg(["trace=chat", "engine.clock=model"]))
+
+
+def test_a_chat_trace_on_a_model_that_cannot_read_its_tokens_names_model_smollm2(
+    compose_cfg, tmp_path
+):
+    with pytest.raises(UsageError, match="tokenized by 'smollm2'.*run it with model=smollm2"):
+        run(compose_cfg(["trace=chat", "trace.num_requests=2"]), tmp_path)  # model=tiny
 
 
 @pytest.mark.slow

@@ -49,7 +49,41 @@ def test_azure_arrivals_are_seconds_from_the_first_record_and_lengths_are_the_fi
     assert [len(r.prompt_token_ids) for r in trace] == [374, 396, 1500, 10]
     assert [r.max_tokens for r in trace] == [44, 109, 548, 5]  # 1500 + 900 > 2048: output clipped
     assert trace.metadata["clipped_requests"] == 1
+    # means of the file's lengths, then of the trace's: the 900-token output became 548
+    assert trace.metadata["clipped_means"] == {
+        "prompt": [570.0, 570.0],
+        "output": [264.5, 176.5],
+    }
     assert trace.metadata["generator"] == "azure"
+
+
+def test_no_max_len_keeps_every_request_whole(tmp_path):
+    trace = azure(write(tmp_path, "a.csv", AZURE), max_len=None, vocab_size=1024)
+    assert [(len(r.prompt_token_ids), r.max_tokens) for r in trace] == [
+        (374, 44),
+        (396, 109),
+        (1500, 900),
+        (10, 5),
+    ]
+    assert trace.metadata["clipped_requests"] == 0
+
+
+@pytest.mark.parametrize(
+    ("make", "text", "columns"),
+    [
+        (azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,0,4\n"
+         "2023-11-16 18:15:47,12,0\n", "0 ContextTokens or GeneratedTokens"),
+        (burstgpt, BURST.splitlines()[0] + "\n5,ChatGPT,472,0,472,API log\n",
+         "0 Request tokens or Response tokens"),
+    ],
+)  # fmt: skip
+def test_a_file_whose_rows_all_have_0_tokens_says_they_were_skipped_and_why(
+    tmp_path, make, text, columns
+):
+    path = write(tmp_path, "zero.csv", text)
+    rows = text.count("\n") - 1
+    with pytest.raises(TraceError, match=f"all {rows} rows have {columns} .* were skipped"):
+        make(path, **SIZES)
 
 
 def test_the_window_keeps_start_to_start_plus_duration_scaled_and_counted(tmp_path):

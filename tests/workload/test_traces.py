@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from harness.cli.run import check
 from harness.workload.distributions import (
     AllAtOnce,
     Constant,
@@ -126,6 +127,21 @@ def test_lognormal_and_sharegpt_hit_their_centre():
 def test_invalid_parameters_fail_at_construction(bad):
     with pytest.raises(ValueError):
         bad()
+
+
+@pytest.mark.parametrize(
+    ("trace", "key"),
+    [
+        ("poisson", "trace.num_requests"),
+        ("mooncake_like", "trace.num_requests"),
+        ("chat", "trace.num_requests"),
+        ("multi_turn", "trace.num_conversations"),
+        ("shared_prefix", "trace.users_per_prompt"),
+    ],
+)
+def test_a_negative_count_names_its_key(compose_cfg, trace, key):
+    with pytest.raises(ValueError, match=rf"^{key}=-3 is invalid: a count >= 0$"):
+        check(compose_cfg([f"trace={trace}", f"{key}=-3"]))
 
 
 @pytest.mark.parametrize("process", [Poisson, Constant, lambda rate: Gamma(rate, 0.25)])

@@ -403,6 +403,7 @@ class Scheduler(ABC):
                 break
             self.running.append(seq)
             seq.status = Status.RUNNING
+            self.progress.admit(seq)
             ring = self.rings.take(seq.request_id) if self.rings is not None else ()
             if swapped:
                 leaving.append((self.swapped, seq))

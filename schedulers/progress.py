@@ -76,6 +76,14 @@ class Progress:
         n = seq.num_computed_tokens
         self.allocator.commit(seq.request_id, token_ids if len(token_ids) == n else token_ids[:n])
 
+    @staticmethod
+    def admit(seq: Request) -> None:
+        """``seq`` runs: a waiting sequence's tokens are its prompt, shared with whoever
+        sent it (a tuple: a saturated queue of long prompts holds one copy of each, not
+        two); running, it gets a list of its own to grow."""
+        if type(seq.token_ids) is tuple:
+            seq.token_ids = list(seq.token_ids)
+
     def append(self, seq: Request, tokens: Sequence[int], now: float) -> Stop | None:
         """Append ``tokens``, each existing on the host at ``now``, up to the first that
         stops ``seq``: that stop, else None."""

@@ -38,7 +38,9 @@ class Request(Protocol):
     """A request as a policy sees it."""
 
     request_id: str
-    token_ids: list[int]  # prompt + output so far (prefix-cache matching reads it)
+    # Prompt + output so far (prefix-cache matching reads it): a tuple (the prompt, shared
+    # with its sender) until first admitted (``Progress.admit``), then a list that grows.
+    token_ids: list[int] | tuple[int, ...]
     num_prompt_tokens: int
     params: RequestParams
     priority: int

@@ -40,7 +40,7 @@ def cut(num_prompt_tokens: int, max_tokens: int, max_seq_len: int) -> bool:
     return num_prompt_tokens <= max_seq_len and max(1, max_seq_len - num_prompt_tokens) < max_tokens
 
 
-def tokenize(model: LoadedModel, request_id: str, prompt: str | Sequence[int]) -> list[int]:
+def tokenize(model: LoadedModel, request_id: str, prompt: str | Sequence[int]) -> tuple[int, ...]:
     """The prompt's token ids: text through the model's tokenizer, or ids checked against
     its vocabulary."""
     if isinstance(prompt, str):
@@ -49,11 +49,11 @@ def tokenize(model: LoadedModel, request_id: str, prompt: str | Sequence[int]) -
                 f"request {request_id!r}: a text prompt needs a tokenizer and model "
                 f"{model.name!r} has none; pass token ids"
             )
-        tokens = list(model.tokenizer.encode(prompt))
+        tokens = tuple(model.tokenizer.encode(prompt))
     else:
-        tokens = list(prompt)
+        tokens = tuple(prompt)  # a tuple's own object: no copy of a long prompt
         if not set(map(type, tokens)) <= {int}:  # numpy ints, say: Python ints, checked
-            tokens = [int(t) for t in tokens]
+            tokens = tuple(int(t) for t in tokens)
     if not tokens:
         raise RequestError(f"request {request_id!r}: the prompt is empty; give >= 1 token")
     vocab = model.vocab_size

@@ -21,9 +21,11 @@ class Seq:
     status (``Scheduler.update``, ``finish``); the output processor its logprobs; the
     verifier its speculative counts; the rest is set when it is made.
 
-    ``token_ids`` is prompt + output. The last sampled token has no KV yet, so a running
-    sequence in decode has ``num_computed_tokens == len(token_ids) - 1`` and computes one
-    token per step; a prefill (or a recompute after preemption) computes the rest.
+    ``token_ids`` is prompt + output: a tuple, the prompt shared with its sender, until the
+    scheduler first admits it (``Progress.admit``), then a list of its own that grows. The
+    last sampled token has no KV yet, so a running sequence in decode has
+    ``num_computed_tokens == len(token_ids) - 1`` and computes one token per step; a prefill
+    (or a recompute after preemption) computes the rest.
     """
 
     request_id: str
@@ -62,8 +64,14 @@ class Seq:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
         self.group_id = self.group_id or self.request_id
-        # Every step's RequestOutput shares this instead of slicing the prompt again.
-        self.prompt_token_ids = tuple(self.token_ids[: self.num_prompt_tokens])
+        # Every step's RequestOutput shares this instead of slicing the prompt again; a
+        # waiting request's tokens are its prompt (a tuple): then the same object.
+        tokens = self.token_ids
+        self.prompt_token_ids = (
+            tokens
+            if type(tokens) is tuple and len(tokens) == self.num_prompt_tokens
+            else tuple(tokens[: self.num_prompt_tokens])
+        )
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
 

@@ -2,11 +2,17 @@
 
 An allocator hands out fixed-size KV blocks (``block_size`` token slots each) to
 sequences, keyed by ``seq_id``. The base class owns everything that does not
-depend on placement: per-block reference counts, per-sequence state (table, token
-count, write limit), input validation, O(1) statistics, the invariant check and
-the block map. A subclass decides only *which* blocks a sequence gets (placement)
-and what happens to a block nobody holds any more (free list, cache, region merge).
+depend on placement: per-sequence state (table, token count, write limit), input
+validation, O(1) statistics, the invariant check and the block map. A subclass
+decides only *which* blocks a sequence gets (placement), how many holders a block
+has (paged: reference counts; a region's blocks are held once each) and what happens
+to a block nobody holds any more (free list, cache, region merge).
 docs/design.md states the contract; this docstring and that section move together.
+
+Sized by use. Constructing an allocator of any ``num_blocks`` costs O(1) memory and
+time: no structure has an entry per block until that block is first handed out (a
+never-used block is free implicitly, past a high-water mark), so memory grows with
+what the blocks in use need, not with the arena. ``check`` and ``dump`` stay O(arena).
 
 The hot path. A decode grows a sequence by one token per step; ``allocate`` answers
 that in O(1) from the sequence's *write limit* (the slots it can fill without a new
@@ -97,7 +103,6 @@ class BlockAllocator(ABC):
         self.num_blocks = _check_count("num_blocks", num_blocks, 1)
         self.block_size = _check_count("block_size", block_size, 1)
         self.max_seq_tokens = num_blocks * block_size  # most one sequence can ever hold
-        self._ref = [0] * num_blocks
         self._used = 0  # blocks with ref > 0
         self._seqs: dict[str, SeqState] = {}
         self._token_slots = 0  # sum of num_tokens over sequences
@@ -324,7 +329,9 @@ class BlockAllocator(ABC):
             blocks = list(self._held_blocks(s))
             assert len(set(blocks)) == len(blocks), f"{seq_id} holds a block twice: {blocks}"
             held.update(blocks)
-        for block, ref in enumerate(self._ref):
+        refs = self._ref_counts()
+        for block in refs.keys() | held.keys():
+            ref = refs[block]
             assert ref == held[block], f"block {block}: ref {ref}, held by {held[block]}"
         assert self._used == len(held), f"used count {self._used} != {len(held)} held blocks"
         free, cached = self._free_blocks(), self._cached_blocks()
@@ -343,14 +350,14 @@ class BlockAllocator(ABC):
     def dump(self) -> str:
         """A block map, 64 blocks a line, in the symbols of the module docstring."""
         in_table = Counter(b for s in self._seqs.values() for b in s.table)
-        cached = self._cached_blocks()
+        cached, refs = self._cached_blocks(), self._ref_counts()
 
         def symbol(block: int) -> str:
-            if self._ref[block] == 0:
+            if refs[block] == 0:
                 return "c" if block in cached else "."
             if block not in in_table:
                 return "r"
-            return "S" if self._ref[block] > 1 else "X"
+            return "S" if refs[block] > 1 else "X"
 
         cells = "".join(symbol(b) for b in range(self.num_blocks))
         s = self.stats()
@@ -438,9 +445,13 @@ class BlockAllocator(ABC):
     def _free_blocks(self) -> set[int]:
         """The free blocks (for check and dump; may be O(num_blocks))."""
 
+    @abstractmethod
     def _needs_copy(self, block: int) -> bool:
         """Whether writing into ``block`` would change KV someone else reads."""
-        return self._ref[block] > 1
+
+    @abstractmethod
+    def _ref_counts(self) -> Counter[int]:
+        """Each held block's holders (for check and dump; may be O(num_blocks))."""
 
     def _held_blocks(self, s: SeqState) -> Iterable[int]:
         """The blocks ``s`` holds a reference on: its table unless it owns a region."""

@@ -18,7 +18,8 @@ The hot path. A decode grows a sequence by one token per step; ``allocate`` answ
 that in O(1) from the sequence's *write limit* (the slots it can fill without a new
 block or a copy) and returns the shared ``NO_COPIES`` constant, allocating nothing.
 ``block_table`` returns the live table, not a copy. ``stats`` reads counters kept up
-to date by every call.
+to date by every call. ``allocate_many`` gives the sequences of a step that cross a block
+boundary their blocks in one call, exactly as ``allocate`` one by one would.
 
 Questions a scheduler asks instead of doing block arithmetic itself (exact for
 every allocator: region sizes, buddy rounding, copy-on-write, evictable cache)::
@@ -188,6 +189,15 @@ class BlockAllocator(ABC):
         s.num_tokens = num_tokens
         s.limit = len(s.table) * self.block_size  # the blocks written into are its own now
         return Allocation(tuple(copies)) if copies else NO_COPIES
+
+    def allocate_many(self, requests: Sequence[tuple[str, int]]) -> list[Allocation | None]:
+        """``allocate(seq_id, num_tokens)`` for each request, in order, in one call (a step's
+        block-boundary crossings). Results and state are exactly those of the calls one by
+        one: a ``None`` changes nothing for its request and later ones still try, blocks are
+        handed out in the same order, and a wrong request raises after the ones before it
+        took effect. This default loops; an allocator may take blocks in one go."""
+        allocate = self.allocate
+        return [allocate(seq_id, num_tokens) for seq_id, num_tokens in requests]
 
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
         """Record that the KV of these leading tokens is written (a cache may share it)."""

@@ -24,8 +24,9 @@ also refers to it::
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
 
-from allocators.base import BlockAllocator, SeqState, blocks_for
+from allocators.base import NO_COPIES, Allocation, BlockAllocator, SeqState, blocks_for
 
 
 class FreeListAllocator(BlockAllocator):
@@ -36,8 +37,58 @@ class FreeListAllocator(BlockAllocator):
         self._ref: list[int] = []  # holders of blocks 0..high-water-1; past it, fresh (0)
         self._free: deque[int] = deque()  # recycled blocks, freed longest ago first
 
+    def allocate_many(self, requests: Sequence[tuple[str, int]]) -> list[Allocation | None]:
+        """``BlockAllocator.allocate_many``. A request that grows a known sequence with no
+        copy and no eviction takes its blocks here: never-used ones as the next ids of a run
+        the whole call shares, whose reference counts are set in one go, then recycled ones;
+        any other request goes through ``allocate`` in its turn (same blocks, same order)."""
+        seqs, ref, bs, free = self._seqs, self._ref, self.block_size, self._free
+        needs_copy, take = self._needs_copy, self._take_into
+        top = len(ref)  # fresh blocks from len(ref) up to here are in tables, not yet held
+        results: list[Allocation | None] = []
+        for seq_id, num_tokens in requests:
+            s = seqs.get(seq_id)
+            if s is not None and type(num_tokens) is int and num_tokens > s.num_tokens:
+                table = s.table
+                new = -(-num_tokens // bs) - len(table)
+                # No copy: within the write limit, or the last block is full, taken by this
+                # call (past ``ref``: its sequence's own) or read by nobody else.
+                if new <= self.num_blocks - top + len(free) and (
+                    num_tokens <= s.limit
+                    or not s.num_tokens % bs
+                    or table[-1] >= len(ref)
+                    or not needs_copy(table[-1])
+                ):
+                    if new:
+                        top = take(table, new, top)
+                    self._token_slots += num_tokens - s.num_tokens
+                    s.num_tokens = num_tokens
+                    s.limit = len(table) * bs
+                    results.append(NO_COPIES)
+                    continue
+            self._hold_fresh(top)
+            results.append(self.allocate(seq_id, num_tokens))
+            top = len(ref)
+        self._hold_fresh(top)
+        return results
+
+    def _take_into(self, table: list[int], count: int, top: int) -> int:
+        """Append ``count`` free blocks to ``table`` (there are as many without evicting):
+        never-used ones from ``top`` on, left for ``_hold_fresh`` to hold, then recycled
+        ones, held now. Returns the new ``top``."""
+        run = min(count, self.num_blocks - top)
+        table.extend(range(top, top + run))
+        if run < count:
+            free, ref = self._free, self._ref
+            for _ in range(count - run):
+                block = free.popleft()
+                ref[block] = 1
+                table.append(block)
+            self._used += count - run
+        return top + run
+
     def _hold_fresh(self, top: int) -> None:
-        """Hold every fresh block below ``top`` once (they were just put in a table)."""
+        """Hold every fresh block below ``top`` once (they were just put in tables)."""
         count = top - len(self._ref)
         self._ref.extend([1] * count)
         self._used += count
@@ -100,20 +151,8 @@ class FreeListAllocator(BlockAllocator):
             self._drop(src, s.num_tokens % bs)
             self._cow_copies += 1
             copies.append((src, dst))
-        if fresh:  # the hot path of growth: never-used blocks as a run, then recycled ones
-            ref = self._ref
-            top = len(ref)
-            run = min(fresh, self.num_blocks - top)
-            if run:
-                table.extend(range(top, top + run))
-                self._hold_fresh(top + run)
-            if run < fresh:
-                free = self._free
-                for _ in range(fresh - run):
-                    block = free.popleft()
-                    ref[block] = 1
-                    table.append(block)
-                self._used += fresh - run
+        if fresh:
+            self._hold_fresh(self._take_into(table, fresh, len(self._ref)))
         return copies
 
     def _after_trim(self, s: SeqState, dropped: list[int], old: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import tracemalloc
 from collections import Counter
 
@@ -212,6 +213,40 @@ def test_failed_allocate_changes_nothing(make) -> None:
     assert snapshot(alloc, ["a", "b"]) == before
     with pytest.raises(ValueError, match="unknown"):
         alloc.block_table("c")
+    alloc.check()
+
+
+def test_allocate_many_is_allocate_for_each_request_in_order(make) -> None:
+    alloc = make(num_blocks=32)
+    alloc.allocate("a", 5)
+    alloc.allocate("b", 4)
+    alloc.fork("a", "f")  # paged: a and f share a partial block, the first write copies it
+    alloc.commit("b", list(range(4)))  # radix: b's full block is indexed
+    twin = copy.deepcopy(alloc)
+    requests = [
+        ("a", 9),  # a block boundary
+        ("b", 6),
+        ("c", 33 * BS),  # never fits: None, nothing changes for it
+        ("f", 6),
+        ("a", 10),  # a again, further (within its block)
+        ("c", 3),  # a new sequence
+        ("b", 2),  # below its count: nothing
+        ("a", 40),
+    ]
+    expected = [twin.allocate(seq, num_tokens) for seq, num_tokens in requests]
+    assert alloc.allocate_many(requests) == expected
+    assert expected[2] is None and expected[6] is not None
+    seqs = ["a", "b", "c", "f"]
+    assert snapshot(alloc, seqs) == snapshot(twin, seqs)
+    alloc.check()
+
+
+def test_allocate_many_raises_at_a_wrong_request_after_the_ones_before_it(make) -> None:
+    alloc = make()
+    alloc.allocate("a", 2)
+    with pytest.raises(ValueError, match="num_tokens"):
+        alloc.allocate_many([("a", BS + 1), ("b", -1), ("a", 4 * BS)])
+    assert alloc.num_tokens("a") == BS + 1
     alloc.check()
 
 

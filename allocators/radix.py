@@ -1,10 +1,11 @@
 """Paged allocation plus a radix-tree prefix cache over full blocks (RadixAttention).
 
-Each tree node is one full block, keyed by its ``block_size`` token ids (packed as
-int32s, as vocabulary ids fit); a path from the root spells a token prefix whose KV
-is stored in the nodes' blocks. A node exists while its block is indexed: made by the
-commit that indexes it, dropped when it is evicted, so the tree costs memory with
-what is cached, not with the arena::
+Each tree node is one full block, keyed by its parent's block and its ``block_size``
+token ids (packed as int32s, as vocabulary ids fit) in one child map for the whole
+tree; a path from the root spells a token prefix whose KV is stored in the nodes'
+blocks. A node exists while its block is indexed: made by the commit that indexes it,
+dropped when it is evicted, so the tree costs memory with what is cached, not with the
+arena, and no node carries a dict of its own::
 
     root ─ (1,2,3,4)#7 ─ (5,6,7,8)#3 ─ (9,9,9,9)#5        block_size = 4
                        └ (5,6,0,0)#12
@@ -40,6 +41,7 @@ from __future__ import annotations
 import copy
 import heapq
 import struct
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
@@ -49,15 +51,16 @@ from allocators.free_list import FreeListAllocator
 
 class _Node:
     """An indexed block's place in the tree (the root has no block, ``-1``, nor parent).
-    ``key``: its tokens, packed; its parent's ``children`` are keyed by it."""
+    ``key``: its parent's block and its tokens, packed, its key in the tree's child map;
+    ``fanout``: how many children it has."""
 
-    __slots__ = ("key", "block", "parent", "children", "last_access", "hits", "created", "entry")
+    __slots__ = ("key", "block", "parent", "fanout", "last_access", "hits", "created", "entry")
 
     def __init__(self, key: bytes, block: int, parent: _Node | None, now: int) -> None:
         self.key = key
         self.block = block
         self.parent = parent
-        self.children: dict[bytes, _Node] = {}
+        self.fanout = 0
         self.last_access = self.created = now
         self.hits = 0
         self.entry: int | None = None  # the key of its live heap entry, if a candidate
@@ -103,7 +106,8 @@ class RadixAllocator(FreeListAllocator):
         self._priority = EVICTION[eviction]
         self._root = _Node(b"", -1, None, 0)
         self._nodes: dict[int, _Node] = {}  # indexed block -> its node
-        key = struct.Struct(f"={block_size}i")  # a block's tokens -> its key, and back
+        self._children: dict[bytes, _Node] = {}  # node.key -> node, for every node
+        key = struct.Struct(f"={block_size + 1}i")  # (parent block, *tokens) -> key, and back
         self._pack, self._unpack = key.pack, key.unpack
         self._num_cached = 0  # indexed blocks nobody holds
         self._candidates: list[int] = []  # heap of keys of unreferenced leaves
@@ -119,7 +123,6 @@ class RadixAllocator(FreeListAllocator):
         memo.update((id(old), new) for old, new in zip(olds, news, strict=True))
         for old, new in zip(olds, news, strict=True):
             new.parent = None if old.parent is None else memo[id(old.parent)]
-            new.children = {h: memo[id(child)] for h, child in old.children.items()}
         clone = object.__new__(type(self))
         memo[id(self)] = clone
         for name, value in vars(self).items():
@@ -129,13 +132,17 @@ class RadixAllocator(FreeListAllocator):
     def cached_paths(self) -> list[tuple[tuple[int, ...], list[int]]]:
         """Every root-to-leaf path of the tree (held or not): the tokens it spells and its
         blocks, in token order. A snapshot of the whole prefix cache."""
+        below: dict[int, list[_Node]] = {}  # parent block -> its children
+        for node in self._nodes.values():
+            below.setdefault(node.parent.block, []).append(node)
         paths, stack = [], [(self._root, (), [])]
         while stack:
             node, tokens, blocks = stack.pop()
-            if not node.children and node is not self._root:
+            if not node.fanout and node is not self._root:
                 paths.append((tokens, blocks))
-            for child in node.children.values():
-                stack.append((child, tokens + self._unpack(child.key), [*blocks, child.block]))
+            for child in below.get(node.block, ()):
+                tokens_below = tokens + self._unpack(child.key)[1:]
+                stack.append((child, tokens_below, [*blocks, child.block]))
         return sorted(paths)
 
     # -- lookups and indexing ----------------------------------------------------------
@@ -143,14 +150,15 @@ class RadixAllocator(FreeListAllocator):
     def _path(self, token_ids: Sequence[int]) -> list[_Node]:
         """The cached nodes spelling the longest prefix of ``token_ids`` that leaves at
         least the last token to compute (so the engine gets its logits)."""
-        bs, pack = self.block_size, self._pack
+        bs, pack, children = self.block_size, self._pack, self._children
         end = max(len(token_ids) - 1, 0) // bs * bs
-        node, path = self._root, []
+        parent, path = self._root.block, []
         for start in range(0, end, bs):
-            node = node.children.get(pack(*token_ids[start : start + bs]))
+            node = children.get(pack(parent, *token_ids[start : start + bs]))
             if node is None:
                 break
             path.append(node)
+            parent = node.block
         return path
 
     def _match(self, s: RadixState, token_ids: Sequence[int]) -> int:
@@ -203,13 +211,14 @@ class RadixAllocator(FreeListAllocator):
             return
         node = nodes[table[i - 1]] if i else self._root
         self._clock = now = self._clock + 1
-        bs, pack = self.block_size, self._pack
+        bs, pack, children = self.block_size, self._pack, self._children
         start = i * bs
         while i < full:
-            block, key = table[i], pack(*token_ids[start : start + bs])
-            child, mine = node.children.get(key), nodes.get(block)
+            block, key = table[i], pack(node.block, *token_ids[start : start + bs])
+            child, mine = children.get(key), nodes.get(block)
             if child is None and mine is None:  # the common case: index the block
-                child = nodes[block] = node.children[key] = _Node(key, block, node, now)
+                child = nodes[block] = children[key] = _Node(key, block, node, now)
+                node.fanout += 1
             elif child is not mine:
                 if mine is not None:
                     raise ValueError(
@@ -248,7 +257,7 @@ class RadixAllocator(FreeListAllocator):
                 free.append(block)
                 continue
             cached += 1
-            if not node.children:
+            if not node.fanout:
                 self._push(node)
         self._num_cached += cached
         heap = self._candidates
@@ -277,12 +286,12 @@ class RadixAllocator(FreeListAllocator):
             if node is None or node.entry != key:
                 heapq.heappop(heap)  # stale
                 continue
-            del nodes[node.block]
+            del nodes[node.block], self._children[node.key]
             parent = node.parent
-            del parent.children[node.key]
+            parent.fanout -= 1
             free.append(node.block)
             evicted += 1
-            if parent is not self._root and not parent.children and not self._ref[parent.block]:
+            if parent is not self._root and not parent.fanout and not self._ref[parent.block]:
                 # A cached parent is now a leaf: a candidate in the evicted leaf's place
                 # (``_push``, inlined; one sift instead of a pop and a push).
                 parent.entry = key = self._priority(parent) << self._block_bits | parent.block
@@ -302,15 +311,20 @@ class RadixAllocator(FreeListAllocator):
         super()._check_placement()
         mask = self._block_mask
         live = {key & mask for key in self._candidates if self._live(key)}
-        leaves = {b for b in self._cached_blocks() if not self._nodes[b].children}
+        leaves = {b for b in self._cached_blocks() if not self._nodes[b].fanout}
         assert live == leaves, f"eviction candidates {sorted(live)} != cached leaves"
+        fanout = Counter(node.parent.block for node in self._nodes.values())
+        assert self._root.fanout == fanout[self._root.block], "children of the root"
+        assert len(self._children) == len(self._nodes), "child map and node map disagree"
         for block, node in self._nodes.items():
-            assert node.block == block and len(node.key) == 4 * self.block_size, block
-            assert node.parent.children.get(node.key) is node, f"block {block} not a child"
-            assert all(c.parent is node for c in node.children.values()), f"children of {block}"
-            parent_held = node.parent is self._root or self._ref[node.parent.block] > 0
+            assert node.block == block and len(node.key) == 4 * (self.block_size + 1), block
+            assert self._children.get(node.key) is node, f"block {block} not a child"
+            parent = node.parent
+            assert self._unpack(node.key)[0] == parent.block, f"block {block}: parent in key"
+            assert parent is self._root or self._nodes.get(parent.block) is parent, block
+            assert node.fanout == fanout[block], f"children of {block}"
+            parent_held = parent is self._root or self._ref[parent.block] > 0
             assert parent_held or self._ref[block] == 0, f"held block {block} under a cached one"
-        assert all(c.parent is self._root for c in self._root.children.values())
         for seq_id, s in self._seqs.items():
             parent = self._root
             for block in s.table[: s.cursor]:

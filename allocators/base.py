@@ -2,17 +2,24 @@
 
 An allocator hands out fixed-size KV blocks (``block_size`` token slots each) to
 sequences, keyed by ``seq_id``. The base class owns everything that does not
-depend on placement: per-block reference counts, per-sequence state (table, token
-count, write limit), input validation, O(1) statistics, the invariant check and
-the block map. A subclass decides only *which* blocks a sequence gets (placement)
-and what happens to a block nobody holds any more (free list, cache, region merge).
+depend on placement: per-sequence state (table, token count, write limit), input
+validation, O(1) statistics, the invariant check and the block map. A subclass
+decides only *which* blocks a sequence gets (placement), how many holders a block
+has (paged: reference counts; a region's blocks are held once each) and what happens
+to a block nobody holds any more (free list, cache, region merge).
 docs/design.md states the contract; this docstring and that section move together.
+
+Sized by use. Constructing an allocator of any ``num_blocks`` costs O(1) memory and
+time: no structure has an entry per block until that block is first handed out (a
+never-used block is free implicitly, past a high-water mark), so memory grows with
+what the blocks in use need, not with the arena. ``check`` and ``dump`` stay O(arena).
 
 The hot path. A decode grows a sequence by one token per step; ``allocate`` answers
 that in O(1) from the sequence's *write limit* (the slots it can fill without a new
 block or a copy) and returns the shared ``NO_COPIES`` constant, allocating nothing.
 ``block_table`` returns the live table, not a copy. ``stats`` reads counters kept up
-to date by every call.
+to date by every call. ``allocate_many`` gives the sequences of a step that cross a block
+boundary their blocks in one call, exactly as ``allocate`` one by one would.
 
 Questions a scheduler asks instead of doing block arithmetic itself (exact for
 every allocator: region sizes, buddy rounding, copy-on-write, evictable cache)::
@@ -42,6 +49,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from allocators.stats import AllocatorStats
+
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
@@ -53,49 +62,6 @@ class Allocation:
 
 
 NO_COPIES = Allocation()  # returned whenever nothing is copied: no object per call
-
-
-@dataclass(frozen=True)
-class AllocatorStats:
-    """A snapshot of an allocator's memory and counters, O(1) to take.
-
-    Blocks: ``used_blocks`` are held by some sequence (in a table, or reserved by
-    a region), ``cached_blocks`` are unreferenced but kept by a prefix cache and
-    evictable, ``free_blocks`` are the rest; the three sum to ``num_blocks``.
-    Slots: ``reserved_slots`` = ``used_blocks * block_size``; ``used_slots`` counts
-    the token slots sequences asked for, a block shared by several sequences once
-    (its holders always agree on its fill: a shared block is copied before a write).
-    Counters (``prefix_*``, ``evictions``, ``cow_copies``, ``relocations``,
-    ``relocated_blocks``, ``fork_copies``) are cumulative.
-    """
-
-    num_blocks: int
-    block_size: int
-    used_blocks: int
-    free_blocks: int
-    cached_blocks: int
-    reserved_slots: int
-    used_slots: int
-    prefix_queries: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    evictions: int
-    cow_copies: int
-    relocations: int
-    relocated_blocks: int
-    fork_copies: int
-
-    @property
-    def hit_rate(self) -> float:
-        """Prefix-cache hit tokens over queried tokens (0.0 before any query)."""
-        return (
-            self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
-        )
-
-    @property
-    def utilisation(self) -> float:
-        """Used over reserved token slots (0.0 when nothing is reserved)."""
-        return self.used_slots / self.reserved_slots if self.reserved_slots else 0.0
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -138,7 +104,6 @@ class BlockAllocator(ABC):
         self.num_blocks = _check_count("num_blocks", num_blocks, 1)
         self.block_size = _check_count("block_size", block_size, 1)
         self.max_seq_tokens = num_blocks * block_size  # most one sequence can ever hold
-        self._ref = [0] * num_blocks
         self._used = 0  # blocks with ref > 0
         self._seqs: dict[str, SeqState] = {}
         self._token_slots = 0  # sum of num_tokens over sequences
@@ -224,6 +189,15 @@ class BlockAllocator(ABC):
         s.num_tokens = num_tokens
         s.limit = len(s.table) * self.block_size  # the blocks written into are its own now
         return Allocation(tuple(copies)) if copies else NO_COPIES
+
+    def allocate_many(self, requests: Sequence[tuple[str, int]]) -> list[Allocation | None]:
+        """``allocate(seq_id, num_tokens)`` for each request, in order, in one call (a step's
+        block-boundary crossings). Results and state are exactly those of the calls one by
+        one: a ``None`` changes nothing for its request and later ones still try, blocks are
+        handed out in the same order, and a wrong request raises after the ones before it
+        took effect. This default loops; an allocator may take blocks in one go."""
+        allocate = self.allocate
+        return [allocate(seq_id, num_tokens) for seq_id, num_tokens in requests]
 
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
         """Record that the KV of these leading tokens is written (a cache may share it)."""
@@ -378,7 +352,9 @@ class BlockAllocator(ABC):
             blocks = list(self._held_blocks(s))
             assert len(set(blocks)) == len(blocks), f"{seq_id} holds a block twice: {blocks}"
             held.update(blocks)
-        for block, ref in enumerate(self._ref):
+        refs = self._ref_counts()
+        for block in refs.keys() | held.keys():
+            ref = refs[block]
             assert ref == held[block], f"block {block}: ref {ref}, held by {held[block]}"
         assert self._used == len(held), f"used count {self._used} != {len(held)} held blocks"
         free, cached = self._free_blocks(), self._cached_blocks()
@@ -397,14 +373,14 @@ class BlockAllocator(ABC):
     def dump(self) -> str:
         """A block map, 64 blocks a line, in the symbols of the module docstring."""
         in_table = Counter(b for s in self._seqs.values() for b in s.table)
-        cached = self._cached_blocks()
+        cached, refs = self._cached_blocks(), self._ref_counts()
 
         def symbol(block: int) -> str:
-            if self._ref[block] == 0:
+            if refs[block] == 0:
                 return "c" if block in cached else "."
             if block not in in_table:
                 return "r"
-            return "S" if self._ref[block] > 1 else "X"
+            return "S" if refs[block] > 1 else "X"
 
         cells = "".join(symbol(b) for b in range(self.num_blocks))
         s = self.stats()
@@ -503,9 +479,13 @@ class BlockAllocator(ABC):
     def _free_blocks(self) -> set[int]:
         """The free blocks (for check and dump; may be O(num_blocks))."""
 
+    @abstractmethod
     def _needs_copy(self, block: int) -> bool:
         """Whether writing into ``block`` would change KV someone else reads."""
-        return self._ref[block] > 1
+
+    @abstractmethod
+    def _ref_counts(self) -> Counter[int]:
+        """Each held block's holders (for check and dump; may be O(num_blocks))."""
 
     def _held_blocks(self, s: SeqState) -> Iterable[int]:
         """The blocks ``s`` holds a reference on: its table unless it owns a region."""

@@ -4,7 +4,8 @@ The engine can then read a sequence's KV as one slice instead of a gather. The
 price is external fragmentation: free blocks scattered in runs too short to use.
 ``RegionAllocator`` holds what contiguous and buddy placement share (regions,
 growth in place or by relocation, forks by copy); ``ContiguousAllocator`` places
-regions first fit, as CortexStream's linear scan does::
+regions first fit, as CortexStream's linear scan does. Its free map covers the blocks up to
+the highest one ever placed; every block past it is free, so the map grows with use::
 
     XXXXrr....XXX.....   seq a: table 0-3, reserved 4-5 (max_len, oracle); seq b: 10-12
     grow b by 3 -> 13-15 are free: in place.  grow a by 3 -> relocate to the first
@@ -14,6 +15,7 @@ regions first fit, as CortexStream's linear scan does::
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections import Counter
 from collections.abc import Iterable
 from typing import Literal
 
@@ -34,7 +36,8 @@ class RegionState(SeqState):
 class RegionAllocator(BlockAllocator):
     """A sequence's table is the start of a region of consecutive blocks it holds.
 
-    Every block of a region carries one reference, table or not. The region's size
+    Every block of a region is held once, table or not (a fork copies, so no reference
+    counts are kept: the regions are the holders). The region's size
     is always ``_region_size(state, len(table))``; growing past it extends the region in
     place when possible, else moves the written blocks to a new, disjoint region
     and reports them as copies. Subclasses place and release regions.
@@ -84,12 +87,10 @@ class RegionAllocator(BlockAllocator):
     # -- shared mechanics --------------------------------------------------------------
 
     def _hold_run(self, start: int, size: int) -> None:
-        self._ref[start : start + size] = [1] * size
         self._used += size
 
     def _release(self, start: int, size: int) -> None:
         if size:
-            self._ref[start : start + size] = [0] * size
             self._used -= size
             self._give_back(start, size)
 
@@ -172,6 +173,9 @@ class RegionAllocator(BlockAllocator):
     def _needs_copy(self, block: int) -> bool:
         return False  # regions are never shared: a fork copies
 
+    def _ref_counts(self) -> Counter[int]:
+        return Counter(b for s in self._seqs.values() for b in self._held_blocks(s))
+
     def _region_blocks(self, num_tokens: int, seq_id: str | None) -> int:
         """The region a new sequence ``seq_id`` of ``num_tokens`` slots would reserve."""
         return self._region_size(self._new_state(seq_id), blocks_for(num_tokens, self.block_size))
@@ -218,7 +222,9 @@ class ContiguousAllocator(RegionAllocator):
             min(blocks_for(max_len, block_size), num_blocks) if reserve == "max_len" else 0
         )
         self._expected: dict[str, int] = {}  # oracle, pow2: seq_id -> slots to reserve
-        self._is_free = bytearray(b"\x01" * num_blocks)  # bytes.find scans it at C speed
+        # 1 = free, for blocks below the highest ever held; those past it are free too (the
+        # map grows with use, not with the arena). bytes.find scans it at C speed.
+        self._is_free = bytearray()
 
     def expect(self, seq_id: str, num_tokens: int | None) -> None:
         if num_tokens is None:
@@ -238,13 +244,25 @@ class ContiguousAllocator(RegionAllocator):
             s.floor = min(blocks_for(self._expected[seq_id], self.block_size), self.num_blocks)
         return s
 
+    def _first_fit(self, size: int) -> int:
+        """The first start of ``size`` free blocks, or -1: in the map, else where its free
+        tail (after the last held block, ``rfind``) runs on past it."""
+        free = self._is_free
+        start = free.find(b"\x01" * size)
+        if start < 0:
+            start = free.rfind(0) + 1
+            if self.num_blocks - start < size:
+                return -1
+        return start
+
     def _can_place(self, size: int) -> bool:
-        return self._is_free.find(b"\x01" * size) >= 0
+        return self._first_fit(size) >= 0
 
     def _place(self, size: int) -> int | None:
-        start = self._is_free.find(b"\x01" * size)
+        start = self._first_fit(size)
         if start < 0:
             return None
+        # start <= len(map): a slice past its end extends it by the blocks now held.
         self._is_free[start : start + size] = bytes(size)
         return start
 
@@ -263,23 +281,27 @@ class ContiguousAllocator(RegionAllocator):
         count as free, so a sequence alone in the arena can always grow into it."""
         free = self._is_free
         free[start : start + size] = b"\x01" * size
-        dst = free.find(b"\x01" * new_size)
+        dst = self._first_fit(new_size)
         free[start : start + size] = bytes(size)
         return dst
 
     def _can_extend(self, start: int, size: int, new_size: int) -> bool:
-        end = start + new_size
+        end = start + new_size  # the map's slice stops at its end: blocks past it are free
         return end <= self.num_blocks and 0 not in self._is_free[start + size : end]
 
     def _extend(self, start: int, size: int, new_size: int) -> None:
+        # The region ends inside the map: a slice past its end extends it.
         self._is_free[start + size : start + new_size] = bytes(new_size - size)
 
     def _give_back(self, start: int, size: int) -> None:
         self._is_free[start : start + size] = b"\x01" * size
 
     def _free_blocks(self) -> set[int]:
-        return {b for b, free in enumerate(self._is_free) if free}
+        free = self._is_free
+        return {b for b, f in enumerate(free) if f}.union(range(len(free), self.num_blocks))
 
     def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
         size = self._region_blocks(num_tokens, seq_id)
-        return sum(len(run) for run in bytes(self._is_free).split(b"\x00") if len(run) < size)
+        runs = [len(run) for run in self._is_free.split(b"\x00")]
+        runs[-1] += self.num_blocks - len(self._is_free)  # the last run goes on past the map
+        return sum(run for run in runs if run < size)

@@ -4,6 +4,14 @@ Blocks are taken from the head of a FIFO queue and returned to its tail, so the
 block freed longest ago is reused first (LRU reuse): a block's stale KV lives as
 long as possible, which helps debugging and mirrors vLLM's free-block queue.
 
+The queue starts as every block in id order, but is never built: blocks never used yet
+are those past the high-water mark ``len(self._ref)`` (the reference counts grow with
+it), and they come before every recycled block, which waits in a deque in the order
+it was freed. So the arena costs memory as its blocks are first used, not up front::
+
+    ref  [1 2 0 1]  fresh 4 5 ... n-1        free deque [2]   (block 2 freed)
+    take order: 4, 5, ..., n-1, then 2, then blocks as they are freed
+
 Forks share blocks by reference count. The one block an ``allocate`` may write
 into without having created it is the partial last block (slots
 ``[num_tokens, ...)``); it is copied first when another table or a prefix cache
@@ -15,9 +23,10 @@ also refers to it::
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 
-from allocators.base import BlockAllocator, SeqState, blocks_for
+from allocators.base import NO_COPIES, Allocation, BlockAllocator, SeqState, blocks_for
 
 
 class FreeListAllocator(BlockAllocator):
@@ -25,18 +34,84 @@ class FreeListAllocator(BlockAllocator):
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
-        self._free: deque[int] = deque(range(num_blocks))
+        self._ref: list[int] = []  # holders of blocks 0..high-water-1; past it, fresh (0)
+        self._free: deque[int] = deque()  # recycled blocks, freed longest ago first
+
+    def allocate_many(self, requests: Sequence[tuple[str, int]]) -> list[Allocation | None]:
+        """``BlockAllocator.allocate_many``. A request that grows a known sequence with no
+        copy and no eviction takes its blocks here: never-used ones as the next ids of a run
+        the whole call shares, whose reference counts are set in one go, then recycled ones;
+        any other request goes through ``allocate`` in its turn (same blocks, same order)."""
+        seqs, ref, bs, free = self._seqs, self._ref, self.block_size, self._free
+        needs_copy, take = self._needs_copy, self._take_into
+        top = len(ref)  # fresh blocks from len(ref) up to here are in tables, not yet held
+        results: list[Allocation | None] = []
+        for seq_id, num_tokens in requests:
+            s = seqs.get(seq_id)
+            if s is not None and type(num_tokens) is int and num_tokens > s.num_tokens:
+                table = s.table
+                new = -(-num_tokens // bs) - len(table)
+                # No copy: within the write limit, or the last block is full, taken by this
+                # call (past ``ref``: its sequence's own) or read by nobody else.
+                if new <= self.num_blocks - top + len(free) and (
+                    num_tokens <= s.limit
+                    or not s.num_tokens % bs
+                    or table[-1] >= len(ref)
+                    or not needs_copy(table[-1])
+                ):
+                    if new:
+                        top = take(table, new, top)
+                    self._token_slots += num_tokens - s.num_tokens
+                    s.num_tokens = num_tokens
+                    s.limit = len(table) * bs
+                    results.append(NO_COPIES)
+                    continue
+            self._hold_fresh(top)
+            results.append(self.allocate(seq_id, num_tokens))
+            top = len(ref)
+        self._hold_fresh(top)
+        return results
+
+    def _take_into(self, table: list[int], count: int, top: int) -> int:
+        """Append ``count`` free blocks to ``table`` (there are as many without evicting):
+        never-used ones from ``top`` on, left for ``_hold_fresh`` to hold, then recycled
+        ones, held now. Returns the new ``top``."""
+        run = min(count, self.num_blocks - top)
+        table.extend(range(top, top + run))
+        if run < count:
+            free, ref = self._free, self._ref
+            for _ in range(count - run):
+                block = free.popleft()
+                ref[block] = 1
+                table.append(block)
+            self._used += count - run
+        return top + run
+
+    def _hold_fresh(self, top: int) -> None:
+        """Hold every fresh block below ``top`` once (they were just put in tables)."""
+        count = top - len(self._ref)
+        self._ref.extend([1] * count)
+        self._used += count
 
     def _take(self) -> int:
         """A free block, now held once by the caller (``_refill`` made sure there is one)."""
-        block = self._free.popleft()
-        self._ref[block] = 1
+        ref = self._ref
+        if len(ref) < self.num_blocks:
+            block = len(ref)
+            ref.append(1)
+        else:
+            block = self._free.popleft()
+            ref[block] = 1
         self._used += 1
         return block
 
+    def _on_free_list(self) -> int:
+        """Blocks free to take without evicting: fresh and recycled."""
+        return self.num_blocks - len(self._ref) + len(self._free)
+
     def _refill(self, count: int) -> None:
-        """Make the free list hold ``count`` blocks; a cache evicts to do so. The caller
-        has checked ``count <= num_free_blocks()``."""
+        """Make the free list hold ``count`` blocks (``_on_free_list``); a cache evicts to do
+        so. The caller has checked ``count <= num_free_blocks()``."""
 
     def _drop(self, block: int, fill: int) -> None:
         """Release one reference to ``block``, whose holder filled ``fill`` slots of it."""
@@ -60,13 +135,13 @@ class FreeListAllocator(BlockAllocator):
         return fresh + self._cow(s) <= self.num_blocks - self._used
 
     def _grow(self, s: SeqState, new: int) -> list | None:
-        table, free, bs = s.table, self._free, self.block_size
+        table, bs = s.table, self.block_size
         cow = s.num_tokens % bs != 0 and self._needs_copy(table[-1])  # ``_cow``, inlined
         fresh = -(-new // bs) - len(table)
         # Count everything first: a failed allocate must change nothing.
         if fresh + cow > self.num_blocks - self._used:
             return None
-        if fresh + cow > len(free):
+        if fresh + cow > self._on_free_list():
             self._refill(fresh + cow)
         copies = []
         if cow:
@@ -76,13 +151,8 @@ class FreeListAllocator(BlockAllocator):
             self._drop(src, s.num_tokens % bs)
             self._cow_copies += 1
             copies.append((src, dst))
-        if fresh:  # the hot path of growth: inline _take
-            ref = self._ref
-            for _ in range(fresh):
-                block = free.popleft()
-                ref[block] = 1
-                table.append(block)
-            self._used += fresh
+        if fresh:
+            self._hold_fresh(self._take_into(table, fresh, len(self._ref)))
         return copies
 
     def _after_trim(self, s: SeqState, dropped: list[int], old: int) -> None:
@@ -124,8 +194,15 @@ class FreeListAllocator(BlockAllocator):
         """These blocks lost their last reference (in this order): free them."""
         self._free.extend(blocks)
 
+    def _needs_copy(self, block: int) -> bool:
+        return self._ref[block] > 1
+
+    def _ref_counts(self) -> Counter[int]:
+        return Counter({block: ref for block, ref in enumerate(self._ref) if ref})
+
     def _free_blocks(self) -> set[int]:
-        return set(self._free)
+        return set(self._free).union(range(len(self._ref), self.num_blocks))
 
     def _check_placement(self) -> None:
         assert len(self._free) == len(set(self._free)), "a block is twice in the free list"
+        assert all(block < len(self._ref) for block in self._free), "a fresh block recycled"

@@ -1,7 +1,11 @@
 """Paged allocation plus a radix-tree prefix cache over full blocks (RadixAttention).
 
-Each tree node is one full block, keyed by its ``block_size`` token ids; a path from
-the root spells a token prefix whose KV is stored in the nodes' blocks::
+Each tree node is one full block, keyed by its parent's block and its ``block_size``
+token ids (packed as int32s, as vocabulary ids fit) in one child map for the whole
+tree; a path from the root spells a token prefix whose KV is stored in the nodes'
+blocks. A node exists while its block is indexed: made by the commit that indexes it,
+dropped when it is evicted, so the tree costs memory with what is cached, not with the
+arena, and no node carries a dict of its own::
 
     root ─ (1,2,3,4)#7 ─ (5,6,7,8)#3 ─ (9,9,9,9)#5        block_size = 4
                        └ (5,6,0,0)#12
@@ -36,6 +40,8 @@ from __future__ import annotations
 
 import copy
 import heapq
+import struct
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
@@ -44,28 +50,19 @@ from allocators.free_list import FreeListAllocator
 
 
 class _Node:
-    """A block's place in the tree; one per block, reused each time the block is indexed.
-    ``parent is None`` means the block is not indexed (the root has no block)."""
+    """An indexed block's place in the tree (the root has no block, ``-1``, nor parent).
+    ``key``: its parent's block and its tokens, packed, its key in the tree's child map;
+    ``fanout``: how many children it has."""
 
-    __slots__ = (
-        "key",
-        "hkey",
-        "block",
-        "parent",
-        "children",
-        "last_access",
-        "hits",
-        "created",
-        "entry",
-    )
+    __slots__ = ("key", "block", "parent", "fanout", "last_access", "hits", "created", "entry")
 
-    def __init__(self, block: int) -> None:
-        self.key: tuple[int, ...] = ()
-        self.hkey = 0  # hash(key): the children dicts are keyed by it, checked against key
+    def __init__(self, key: bytes, block: int, parent: _Node | None, now: int) -> None:
+        self.key = key
         self.block = block
-        self.parent: _Node | None = None
-        self.children: dict[int, _Node] = {}
-        self.last_access = self.created = self.hits = 0
+        self.parent = parent
+        self.fanout = 0
+        self.last_access = self.created = now
+        self.hits = 0
         self.entry: int | None = None  # the key of its live heap entry, if a candidate
 
 
@@ -107,8 +104,11 @@ class RadixAllocator(FreeListAllocator):
             raise ValueError(f"eviction={eviction!r}: use one of {sorted(EVICTION)}")
         self.eviction = eviction
         self._priority = EVICTION[eviction]
-        self._root = _Node(-1)
-        self._nodes = [_Node(block) for block in range(num_blocks)]
+        self._root = _Node(b"", -1, None, 0)
+        self._nodes: dict[int, _Node] = {}  # indexed block -> its node
+        self._children: dict[bytes, _Node] = {}  # node.key -> node, for every node
+        key = struct.Struct(f"={block_size + 1}i")  # (parent block, *tokens) -> key, and back
+        self._pack, self._unpack = key.pack, key.unpack
         self._num_cached = 0  # indexed blocks nobody holds
         self._candidates: list[int] = []  # heap of keys of unreferenced leaves
         self._block_bits = (num_blocks - 1).bit_length()  # a heap key's low bits: the block
@@ -117,13 +117,12 @@ class RadixAllocator(FreeListAllocator):
 
     def __deepcopy__(self, memo: dict) -> RadixAllocator:
         """A copy for what-if questions (priority's make-room). The tree is rebuilt from the
-        per-block node list, not walked recursively: deep trees would exhaust the stack."""
-        olds = [self._root, *self._nodes]
+        node map, not walked recursively: deep trees would exhaust the stack."""
+        olds = [self._root, *self._nodes.values()]
         news = [copy.copy(node) for node in olds]
         memo.update((id(old), new) for old, new in zip(olds, news, strict=True))
         for old, new in zip(olds, news, strict=True):
             new.parent = None if old.parent is None else memo[id(old.parent)]
-            new.children = {h: memo[id(child)] for h, child in old.children.items()}
         clone = object.__new__(type(self))
         memo[id(self)] = clone
         for name, value in vars(self).items():
@@ -133,13 +132,17 @@ class RadixAllocator(FreeListAllocator):
     def cached_paths(self) -> list[tuple[tuple[int, ...], list[int]]]:
         """Every root-to-leaf path of the tree (held or not): the tokens it spells and its
         blocks, in token order. A snapshot of the whole prefix cache."""
+        below: dict[int, list[_Node]] = {}  # parent block -> its children
+        for node in self._nodes.values():
+            below.setdefault(node.parent.block, []).append(node)
         paths, stack = [], [(self._root, (), [])]
         while stack:
             node, tokens, blocks = stack.pop()
-            if not node.children and node is not self._root:
+            if not node.fanout and node is not self._root:
                 paths.append((tokens, blocks))
-            for child in node.children.values():
-                stack.append((child, tokens + child.key, [*blocks, child.block]))
+            for child in below.get(node.block, ()):
+                tokens_below = tokens + self._unpack(child.key)[1:]
+                stack.append((child, tokens_below, [*blocks, child.block]))
         return sorted(paths)
 
     # -- lookups and indexing ----------------------------------------------------------
@@ -147,15 +150,15 @@ class RadixAllocator(FreeListAllocator):
     def _path(self, token_ids: Sequence[int]) -> list[_Node]:
         """The cached nodes spelling the longest prefix of ``token_ids`` that leaves at
         least the last token to compute (so the engine gets its logits)."""
-        bs = self.block_size
+        bs, pack, children = self.block_size, self._pack, self._children
         end = max(len(token_ids) - 1, 0) // bs * bs
-        node, path = self._root, []
+        parent, path = self._root.block, []
         for start in range(0, end, bs):
-            key = tuple(token_ids[start : start + bs])
-            node = node.children.get(hash(key))
-            if node is None or node.key != key:
+            node = children.get(pack(parent, *token_ids[start : start + bs]))
+            if node is None:
                 break
             path.append(node)
+            parent = node.block
         return path
 
     def _match(self, s: RadixState, token_ids: Sequence[int]) -> int:
@@ -208,24 +211,22 @@ class RadixAllocator(FreeListAllocator):
             return
         node = nodes[table[i - 1]] if i else self._root
         self._clock = now = self._clock + 1
-        bs = self.block_size
+        bs, pack, children = self.block_size, self._pack, self._children
         start = i * bs
         while i < full:
-            mine, key = nodes[table[i]], tuple(token_ids[start : start + bs])
-            hkey = hash(key)
-            child = node.children.get(hkey)
-            if child is None and mine.parent is None:  # the common case: index the block
-                mine.key, mine.hkey, mine.parent = key, hkey, node
-                mine.created, mine.hits = now, 0
-                node.children[hkey] = child = mine
+            block, key = table[i], pack(node.block, *token_ids[start : start + bs])
+            child, mine = children.get(key), nodes.get(block)
+            if child is None and mine is None:  # the common case: index the block
+                child = nodes[block] = children[key] = _Node(key, block, node, now)
+                node.fanout += 1
             elif child is not mine:
-                if mine.parent is not None:
+                if mine is not None:
                     raise ValueError(
                         f"commit: token_ids disagree with the tokens cached in block "
-                        f"{mine.block}; commit the tokens that were written"
+                        f"{block}; commit the tokens that were written"
                     )
-                # The same tokens (or, rarely, a hash twin) are cached in another block: this
-                # sequence keeps its own copy unindexed, which keeps the invariant above.
+                # The same tokens are cached in another block: this sequence keeps its own
+                # copy unindexed, which keeps the invariant above.
                 break
             child.last_access = now
             node = child
@@ -244,28 +245,31 @@ class RadixAllocator(FreeListAllocator):
 
     def _needs_copy(self, block: int) -> bool:
         # Indexed KV must stay immutable: later matches read it.
-        return self._ref[block] > 1 or self._nodes[block].parent is not None
+        return self._ref[block] > 1 or block in self._nodes
 
     # -- caching and eviction ----------------------------------------------------------
 
     def _on_unreferenced(self, blocks: list[int]) -> None:
         nodes, free, cached = self._nodes, self._free, 0
         for block in blocks:
-            node = nodes[block]
-            if node.parent is None:
+            node = nodes.get(block)
+            if node is None:
                 free.append(block)
                 continue
             cached += 1
-            if not node.children:
+            if not node.fanout:
                 self._push(node)
         self._num_cached += cached
         heap = self._candidates
         if len(heap) > 2 * self._num_cached + 64:
             # Mostly stale entries: keep the live ones, O(n) now and then.
-            nodes = self._nodes
-            mask = self._block_mask
-            heap[:] = [key for key in heap if nodes[key & mask].entry == key]
+            heap[:] = [key for key in heap if self._live(key)]
             heapq.heapify(heap)
+
+    def _live(self, key: int) -> bool:
+        """Whether a heap key is its node's live entry (not stale)."""
+        node = self._nodes.get(key & self._block_mask)
+        return node is not None and node.entry == key
 
     def _push(self, node: _Node) -> None:
         """Make an unreferenced leaf an eviction candidate."""
@@ -275,19 +279,19 @@ class RadixAllocator(FreeListAllocator):
     def _refill(self, count: int) -> None:
         """Evict the leaves the policy ranks first until the free list holds ``count``."""
         heap, free, nodes, evicted = self._candidates, self._free, self._nodes, 0
-        while len(free) < count:
+        need = count - self._on_free_list()
+        while evicted < need:
             key = heap[0]
-            node = nodes[key & self._block_mask]
-            if node.entry != key:
+            node = nodes.get(key & self._block_mask)
+            if node is None or node.entry != key:
                 heapq.heappop(heap)  # stale
                 continue
-            node.entry = None
+            del nodes[node.block], self._children[node.key]
             parent = node.parent
-            del parent.children[node.hkey]
-            node.parent = None
+            parent.fanout -= 1
             free.append(node.block)
             evicted += 1
-            if parent is not self._root and not parent.children and not self._ref[parent.block]:
+            if parent is not self._root and not parent.fanout and not self._ref[parent.block]:
                 # A cached parent is now a leaf: a candidate in the evicted leaf's place
                 # (``_push``, inlined; one sift instead of a pop and a push).
                 parent.entry = key = self._priority(parent) << self._block_bits | parent.block
@@ -297,11 +301,8 @@ class RadixAllocator(FreeListAllocator):
         self._num_cached -= evicted
         self._evictions += evicted
 
-    def _indexed(self) -> list[_Node]:
-        return [node for node in self._nodes if node.parent is not None]
-
     def _cached_blocks(self) -> set[int]:
-        return {node.block for node in self._indexed() if self._ref[node.block] == 0}
+        return {block for block in self._nodes if self._ref[block] == 0}
 
     def _num_cached_blocks(self) -> int:
         return self._num_cached
@@ -309,20 +310,24 @@ class RadixAllocator(FreeListAllocator):
     def _check_placement(self) -> None:
         super()._check_placement()
         mask = self._block_mask
-        live = {key & mask for key in self._candidates if self._nodes[key & mask].entry == key}
-        leaves = {b for b in self._cached_blocks() if not self._nodes[b].children}
+        live = {key & mask for key in self._candidates if self._live(key)}
+        leaves = {b for b in self._cached_blocks() if not self._nodes[b].fanout}
         assert live == leaves, f"eviction candidates {sorted(live)} != cached leaves"
-        for node in self._indexed():
-            block = node.block
-            assert len(node.key) == self.block_size and node.hkey == hash(node.key), block
-            assert node.parent.children.get(node.hkey) is node, f"block {block} not a child"
-            assert all(c.parent is node for c in node.children.values()), f"children of {block}"
-            parent_held = node.parent is self._root or self._ref[node.parent.block] > 0
+        fanout = Counter(node.parent.block for node in self._nodes.values())
+        assert self._root.fanout == fanout[self._root.block], "children of the root"
+        assert len(self._children) == len(self._nodes), "child map and node map disagree"
+        for block, node in self._nodes.items():
+            assert node.block == block and len(node.key) == 4 * (self.block_size + 1), block
+            assert self._children.get(node.key) is node, f"block {block} not a child"
+            parent = node.parent
+            assert self._unpack(node.key)[0] == parent.block, f"block {block}: parent in key"
+            assert parent is self._root or self._nodes.get(parent.block) is parent, block
+            assert node.fanout == fanout[block], f"children of {block}"
+            parent_held = parent is self._root or self._ref[parent.block] > 0
             assert parent_held or self._ref[block] == 0, f"held block {block} under a cached one"
-        assert all(c.parent is self._root for c in self._root.children.values())
         for seq_id, s in self._seqs.items():
             parent = self._root
             for block in s.table[: s.cursor]:
-                node = self._nodes[block]
-                assert node.parent is parent, f"{seq_id}: not a tree path"
+                node = self._nodes.get(block)
+                assert node is not None and node.parent is parent, f"{seq_id}: not a tree path"
                 parent = node

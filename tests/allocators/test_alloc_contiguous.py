@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from allocators.base import NO_COPIES
@@ -211,4 +213,23 @@ def test_a_region_moves_over_its_own_blocks_when_that_is_the_only_room() -> None
     assert alloc.block_table("a") == [0, 1, 2, 3, 4]
     assert result.copies == ((4, 0), (5, 1), (6, 2), (7, 3))
     assert alloc.num_free_blocks() == 3
+    alloc.check()
+
+
+@pytest.mark.parametrize("reserve", ["oracle", "pow2"])
+def test_allocate_many_reserves_by_the_hints_as_allocate_one_by_one(reserve: str) -> None:
+    # The conf options the contract tests leave out: their regions are sized by expect hints.
+    alloc = ContiguousAllocator(num_blocks=32, block_size=4, reserve=reserve)
+    for seq_id, slots in (("a", 20), ("b", 9), ("c", 100), ("d", 30)):
+        alloc.expect(seq_id, slots)
+    alloc.allocate("a", 3)
+    alloc.allocate("b", 9)
+    alloc.allocate("x", 4)  # right after b's region: b cannot grow past it in place
+    twin = copy.deepcopy(alloc)
+    requests = [("a", 18), ("c", 5), ("b", 17), ("d", 1), ("a", 21), ("e", 6)]
+    expected = [twin.allocate(seq_id, num_tokens) for seq_id, num_tokens in requests]
+    assert alloc.allocate_many(requests) == expected
+    assert expected[1] is None and expected[2].copies  # c's hint never fits; b relocates
+    assert runs(alloc, "a", "b", "d", "e") == runs(twin, "a", "b", "d", "e")
+    assert (alloc.dump(), alloc.stats()) == (twin.dump(), twin.stats())
     alloc.check()

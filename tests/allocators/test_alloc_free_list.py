@@ -19,6 +19,18 @@ def test_blocks_are_reused_least_recently_freed_first() -> None:
     alloc.check()
 
 
+def test_blocks_never_used_come_first_in_id_order_then_freed_ones_in_order() -> None:
+    # The order of a queue that held every block, 0 first, from the start.
+    alloc = FreeListAllocator(num_blocks=6, block_size=2)
+    alloc.allocate("a", 4)
+    assert alloc.free("a") == 2  # 1, then 0 (tail first): they wait behind 2..5
+    alloc.allocate("b", 6)
+    assert alloc.block_table("b") == [2, 3, 4]
+    alloc.allocate("c", 6)
+    assert alloc.block_table("c") == [5, 1, 0]
+    alloc.check()
+
+
 def test_fork_then_writes_copy_the_shared_partial_block_once() -> None:
     alloc = FreeListAllocator(num_blocks=8, block_size=4)
     alloc.allocate("p", 6)

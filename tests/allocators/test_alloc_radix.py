@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import tracemalloc
+
 import pytest
 
 from allocators.base import NO_COPIES
@@ -272,3 +275,24 @@ def test_a_parent_becomes_evictable_once_its_children_are_gone() -> None:
 def test_an_unknown_eviction_policy_names_the_argument() -> None:
     with pytest.raises(ValueError, match="eviction"):
         RadixAllocator(num_blocks=4, block_size=BS, eviction="random")
+
+
+def test_a_cached_block_of_16_tokens_costs_under_400_bytes() -> None:
+    # Everything the tree keeps per cached block once its sequences and their token lists
+    # are gone (node, key, maps, heap entry, ref count); ids above 256 are int objects of
+    # their own, as a tokenizer's are. Was 1,091 bytes (tuple keys, a dict per node).
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        alloc = RadixAllocator(num_blocks=4096, block_size=16)
+        for i in range(64):
+            tokens = [rng.randrange(300, 150_000) for _ in range(50 * 16)]
+            serve(alloc, f"s{i}", tokens)
+            alloc.free(f"s{i}")
+        del tokens
+        cost = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    cached = alloc.stats().cached_blocks
+    assert cached == 64 * 50
+    assert cost / cached < 400, f"{cost / cached:.0f} bytes a cached block"

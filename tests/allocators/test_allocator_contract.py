@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import tracemalloc
 from collections import Counter
 
 import pytest
@@ -27,6 +29,16 @@ def make(kind: str):
     return build
 
 
+def traced_bytes(build) -> tuple[object, int]:
+    """What ``build()`` returns, and the bytes it left allocated (tracemalloc)."""
+    tracemalloc.start()
+    try:
+        result = build()
+        return result, tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+
+
 def snapshot(alloc: BlockAllocator, seqs: list[str]) -> tuple:
     """Everything observable; tables copied, since ``block_table`` is the live list."""
     return alloc.dump(), alloc.stats(), {s: list(alloc.block_table(s)) for s in seqs}
@@ -42,6 +54,30 @@ def allocate_as_forecast(alloc: BlockAllocator, seq: str, num_tokens: int) -> in
 
 
 # -- construction and bad input -----------------------------------------------------------
+
+
+def test_a_6m_block_arena_costs_nothing_until_its_blocks_are_used(make) -> None:
+    # Under 100 kB: less than one bit per block, so no structure is sized by the arena.
+    alloc, cost = traced_bytes(lambda: make(num_blocks=6_000_000))
+    assert cost < 100_000, f"{cost} bytes to construct"
+    assert alloc.num_free_blocks() == 6_000_000
+
+
+def test_memory_grows_with_the_blocks_used_not_the_arena(make) -> None:
+    def use(num_blocks: int) -> BlockAllocator:
+        alloc = make(num_blocks=num_blocks)
+        for i in range(64):
+            alloc.allocate(f"s{i}", 7 * BS)
+            alloc.commit(f"s{i}", [i] * 7 * BS)
+        for i in range(0, 64, 2):
+            alloc.free(f"s{i}")
+        return alloc
+
+    small, small_cost = traced_bytes(lambda: use(4096))
+    large, large_cost = traced_bytes(lambda: use(6_000_000))
+    assert large.stats().used_blocks == small.stats().used_blocks > 0
+    assert large_cost < small_cost + 10_000, f"{large_cost} bytes against {small_cost}"
+    large.check()
 
 
 @pytest.mark.parametrize(
@@ -202,6 +238,40 @@ def test_failed_allocate_changes_nothing(make) -> None:
     assert snapshot(alloc, ["a", "b"]) == before
     with pytest.raises(ValueError, match="unknown"):
         alloc.block_table("c")
+    alloc.check()
+
+
+def test_allocate_many_is_allocate_for_each_request_in_order(make) -> None:
+    alloc = make(num_blocks=32)
+    alloc.allocate("a", 5)
+    alloc.allocate("b", 4)
+    alloc.fork("a", "f")  # paged: a and f share a partial block, the first write copies it
+    alloc.commit("b", list(range(4)))  # radix: b's full block is indexed
+    twin = copy.deepcopy(alloc)
+    requests = [
+        ("a", 9),  # a block boundary
+        ("b", 6),
+        ("c", 33 * BS),  # never fits: None, nothing changes for it
+        ("f", 6),
+        ("a", 10),  # a again, further (within its block)
+        ("c", 3),  # a new sequence
+        ("b", 2),  # below its count: nothing
+        ("a", 40),
+    ]
+    expected = [twin.allocate(seq, num_tokens) for seq, num_tokens in requests]
+    assert alloc.allocate_many(requests) == expected
+    assert expected[2] is None and expected[6] is not None
+    seqs = ["a", "b", "c", "f"]
+    assert snapshot(alloc, seqs) == snapshot(twin, seqs)
+    alloc.check()
+
+
+def test_allocate_many_raises_at_a_wrong_request_after_the_ones_before_it(make) -> None:
+    alloc = make()
+    alloc.allocate("a", 2)
+    with pytest.raises(ValueError, match="num_tokens"):
+        alloc.allocate_many([("a", BS + 1), ("b", -1), ("a", 4 * BS)])
+    assert alloc.num_tokens("a") == BS + 1
     alloc.check()
 
 

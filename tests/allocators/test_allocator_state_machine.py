@@ -12,7 +12,9 @@ It also holds the allocator to its forecasts: before every ``allocate`` it asks
 ``token_ids`` too, before ``match_prefix``), then compares them with what happened;
 ``free`` must return ``reclaimable_blocks`` and the rise of ``num_free_blocks()``;
 ``trim`` must raise exactly when the model sees the new end cut into a block another
-table shares or the prefix cache indexes.
+table shares or the prefix cache indexes. ``allocate_many`` must give the results, and
+leave the state, of the same requests passed to ``allocate`` one by one on a copy of
+the allocator (a differential check).
 
 For the radix allocator the model keeps its own prefix index (full-block token prefix
 -> block): ``commit`` adds to it, a block that shows up new in a table was evicted (or
@@ -21,6 +23,7 @@ was never indexed), and ``match_prefix`` must return the longest indexed prefix.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import hypothesis.strategies as st
@@ -186,6 +189,42 @@ class AllocatorMachine(RuleBasedStateMachine):
         seq = self.pick(data)
         if seq is not None:
             self.grow(seq, new_tokens)
+
+    @rule(data=st.data(), grows=st.lists(TOKENS, min_size=1, max_size=5), new=TOKENS)
+    def extend_many(self, data: st.DataObject, grows: list[list[int]], new: list[int]) -> None:
+        """Several sequences grow in one ``allocate_many`` (a sequence may come twice, each
+        time further; a new one, with ``new`` as its prompt, may come too), checked against
+        the same requests one by one on a copy of the allocator."""
+        alloc, asked, requests = self.alloc, {}, []  # asked: the tokens each sequence asks for
+        for tokens in grows:
+            seq = self.pick(data)
+            if seq is not None:
+                asked[seq] = asked.get(seq, []) + tokens
+                requests.append((seq, len(self.tokens[seq]) + len(asked[seq])))
+        before = {seq: set(alloc.block_table(seq)) for seq in asked}
+        if new and len(self.tokens) < 6:
+            asked[seq := f"s{self.next_id}"] = new
+            self.next_id += 1
+            requests.insert(data.draw(st.integers(0, len(requests))), (seq, len(new)))
+        twin = copy.deepcopy(alloc)
+        expected = [twin.allocate(seq, num_tokens) for seq, num_tokens in requests]
+        results = alloc.allocate_many(requests)
+        assert results == expected, f"{requests}: {results}, one by one {expected}"
+        assert [r is NO_COPIES for r in results] == [r is NO_COPIES for r in expected]
+        assert (alloc.dump(), alloc.stats()) == (twin.dump(), twin.stats())
+        assert alloc.cached_paths() == twin.cached_paths()
+        grown = {}  # what each sequence holds now: the count of its last request that succeeded
+        for (seq, num_tokens), result in zip(requests, results, strict=True):
+            if result is not None:
+                self.copy(result)
+                grown[seq] = num_tokens
+        for seq in before.keys() | grown.keys():
+            assert alloc.block_table(seq) == twin.block_table(seq), seq
+        for seq, num_tokens in grown.items():
+            taken = set(alloc.block_table(seq)) - before.get(seq, set())  # cached ones evicted
+            self.index = {k: b for k, b in self.index.items() if b not in taken}
+            written = self.tokens.setdefault(seq, [])
+            self.write(seq, NO_COPIES, asked[seq][: num_tokens - len(written)])
 
     def commit_tokens(self, seq: str, committed: list[int]) -> None:
         self.alloc.commit(seq, committed)

@@ -1,0 +1,48 @@
+"""``AllocatorStats``: the O(1) snapshot ``BlockAllocator.stats()`` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """A snapshot of an allocator's memory and counters, O(1) to take.
+
+    Blocks: ``used_blocks`` are held by some sequence (in a table, or reserved by
+    a region), ``cached_blocks`` are unreferenced but kept by a prefix cache and
+    evictable, ``free_blocks`` are the rest; the three sum to ``num_blocks``.
+    Slots: ``reserved_slots`` = ``used_blocks * block_size``; ``used_slots`` counts
+    the token slots sequences asked for, a block shared by several sequences once
+    (its holders always agree on its fill: a shared block is copied before a write).
+    Counters (``prefix_*``, ``evictions``, ``cow_copies``, ``relocations``,
+    ``relocated_blocks``, ``fork_copies``) are cumulative.
+    """
+
+    num_blocks: int
+    block_size: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    reserved_slots: int
+    used_slots: int
+    prefix_queries: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    evictions: int
+    cow_copies: int
+    relocations: int
+    relocated_blocks: int
+    fork_copies: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hit tokens over queried tokens (0.0 before any query)."""
+        return (
+            self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        )
+
+    @property
+    def utilisation(self) -> float:
+        """Used over reserved token slots (0.0 when nothing is reserved)."""
+        return self.used_slots / self.reserved_slots if self.reserved_slots else 0.0

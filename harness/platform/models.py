@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
+from harness.platform.formats import BITS, stored_bytes
+
 # Sizes named by configs. "tiny" keeps tests fast on a 2-core CPU; "small" (~32M params)
 # makes the forward dominate in benchmarks without taking hours there.
 _SIZE_FIELDS = (
@@ -115,7 +117,7 @@ class LoadedModel:
         return len(self.full_layers) * self.layer_bytes_per_token(bits, group_size)
 
 
-KV_BITS = (16, 8, 4)  # engine.kv_bits: 16 is the model's dtype, 8 and 4 mx.quantize's
+KV_BITS = BITS  # engine.kv_bits: 16 is the model's dtype, 8 and 4 mx.quantize's
 
 
 def kv_row_bytes(head_dim: int, dtype: mx.Dtype, bits: int = 16, group_size: int = 64) -> int:
@@ -125,10 +127,8 @@ def kv_row_bytes(head_dim: int, dtype: mx.Dtype, bits: int = 16, group_size: int
     names "not quantized"). 8 or 4: group-wise affine quantization as ``mx.quantize`` and
     mlx_lm's ``QuantizedKVCache`` do it, along ``head_dim`` in groups of ``group_size``:
     ``head_dim * bits / 8`` bytes of packed values (uint32 words) plus a scale and a bias in
-    ``dtype`` per group, all counted."""
-    if bits == 16:
-        return head_dim * dtype.size
-    return head_dim * bits // 8 + 2 * (head_dim // group_size) * dtype.size
+    ``dtype`` per group, all counted (``formats.stored_bytes``)."""
+    return stored_bytes(head_dim, dtype.size, bits, group_size)
 
 
 def random_model(

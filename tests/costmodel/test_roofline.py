@@ -14,8 +14,8 @@ from harness.costmodel.roofline import (
     devices,
     main,
     prefill_step,
-    shape_of,
 )
+from harness.costmodel.shape import shape_of
 from harness.costmodel.work import PRICED, StepWork
 from harness.engine.modelled import ModelClock
 
@@ -209,20 +209,36 @@ def test_shape_of_matches_the_built_model(model):
     assert shape_of("tiny") == {**model.shape(), "name": "llama-tiny"}
 
 
-def test_every_device_sheet_is_numbers():
+FIELDS = ("peak_flops", "memory_bandwidth", "host_link_bandwidth", "disk_bandwidth")
+
+
+def test_every_device_has_every_figure_and_its_source():
     for name, sheet in devices().items():
+        assert sheet["class"] in ("apple", "nvidia") and sheet["description"], name
         figures = [*sheet["peak_flops"].values(), sheet["memory_bandwidth"]]
-        figures += [sheet["host_link_bandwidth"], sheet["memory_capacity"]]
-        assert all(isinstance(x, (int, float)) and x > 0 for x in figures), name
+        figures += [sheet["host_link_bandwidth"], sheet["disk_bandwidth"]]
+        assert all(isinstance(x, float) and x > 0 for x in figures), name
+        assert isinstance(sheet["memory_capacity"], int) and sheet["memory_capacity"] > 0
         assert set(sheet["peak_flops"]) == {"fp16", "fp32"}, name
+        sources = sheet["sources"]
+        assert set(sources) == {*FIELDS, "memory_capacity"}, name
+        assert all(isinstance(s, str) and len(s) >= 10 for s in sources.values()), name
+
+
+def test_the_devices_users_have_are_all_there():
+    apple = {f"m{n}{tier}" for n in range(1, 5) for tier in ("", "-pro", "-max")}
+    apple |= {"m1-ultra", "m2-ultra", "m3-ultra"}
+    nvidia = {"l4", "a10g", "rtx4090", "a100-40gb", "a100", "h100-pcie", "h100", "h200"}
+    assert apple | nvidia == set(devices())
 
 
 def test_unknown_device_names_the_known_ones(tmp_path, capsys):
-    with pytest.raises(ValueError, match="a100, h100, m2-max, m3-ultra"):
+    known = ", ".join(devices())
+    with pytest.raises(ValueError, match=known):
         derive(shape_of("tiny"), "tpu-v5", block_size=16)
     assert main(["--device", "tpu-v5", "--model", "tiny", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "a100, h100, m2-max, m3-ultra" in err
+    assert err.count("\n") == 1 and known in err
     assert not (tmp_path / "p").exists()
 
 
@@ -237,7 +253,6 @@ def test_command_writes_a_loadable_profile(tmp_path, capsys):
 @pytest.mark.parametrize(
     "shape, match",
     [
-        (toy(window_layers=[0]), "sliding-window"),
         (toy(num_params=10**6), "mixture of experts"),
         (toy(dtype="int4"), "dtype_bytes"),
         ({**toy(), "head_dim": None}, "head_dim"),

@@ -75,6 +75,13 @@ def load(
     ``bits`` (16, 8 or 4) prices the weights at that width, mx.quantize's groups of
     ``group_size`` (default: what the config's mlx_lm ``quantization`` says, else 16);
     ``dtype`` overrides the config's ``torch_dtype``."""
+    config, name = read_config(path)
+    return from_config(config, name, bits=bits, group_size=group_size, dtype=dtype)
+
+
+def read_config(path: str | Path) -> tuple[dict[str, Any], str]:
+    """The parsed config.json at ``path`` (the file, or a folder holding one) and a name for
+    it: the folder's for a config.json, else the file's stem."""
     where = Path(path).expanduser()
     file = where / "config.json" if where.is_dir() else where
     if not file.is_file():
@@ -88,8 +95,7 @@ def load(
         raise ShapeError(f"model.config={str(path)!r}: not a JSON config ({e})") from None
     if not isinstance(config, dict):
         raise ShapeError(f"model.config={str(path)!r}: not a JSON object")
-    name = file.parent.name if file.name == "config.json" else file.stem
-    return from_config(config, name, bits=bits, group_size=group_size, dtype=dtype)
+    return config, file.parent.name if file.name == "config.json" else file.stem
 
 
 def from_config(

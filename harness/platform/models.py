@@ -57,9 +57,11 @@ ARCH_FIELDS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class LoadedModel:
-    """An mlx_lm model plus the facts the KV arena and the sampler need."""
+    """An mlx_lm model plus the facts the KV arena and the sampler need; or, with ``model``
+    None, a shape alone (``spec``: ``model=shape``), which only the model clock runs: it
+    prices steps and builds no weights."""
 
-    model: nn.Module
+    model: nn.Module | None
     name: str
     num_layers: int
     num_kv_heads: int
@@ -73,10 +75,18 @@ class LoadedModel:
     # ``window`` positions, itself included. Empty: every layer is full attention.
     window_layers: tuple[int, ...] = ()
     window: int | None = None
+    spec: dict[str, Any] | None = None  # the shape of a model without weights (shape())
 
     @property
     def num_params(self) -> int:
+        if self.model is None:
+            return self.spec["num_params"]
         return sum(v.size for _, v in tree_flatten(self.model.parameters()))
+
+    @property
+    def hidden_size(self) -> int:
+        """The residual stream's width."""
+        return self.spec["hidden_size"] if self.model is None else self.model.args.hidden_size
 
     @property
     def full_layers(self) -> tuple[int, ...]:
@@ -87,6 +97,8 @@ class LoadedModel:
     def shape(self) -> dict[str, Any]:
         """What a step's cost depends on (a cost profile's ``model``, harness/costmodel):
         the architecture's sizes and dtype, not the weights' values."""
+        if self.model is None:
+            return dict(self.spec)
         args = self.model.args
         return {
             "name": self.name,

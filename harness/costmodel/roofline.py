@@ -58,7 +58,15 @@ from typing import Any
 
 import yaml
 
-from harness.costmodel.efficiency import Cell, Efficiency, validate_main, weight_bits
+from harness.costmodel.efficiency import (
+    Cell,
+    Efficiency,
+    cells,
+    efficiency_for,
+    fit,
+    validate_main,
+    weight_bits,
+)
 from harness.costmodel.profile import (
     FORMAT,
     RESOURCES,
@@ -326,6 +334,21 @@ def _cell_shape(model: str, weights: str) -> dict[str, Any]:
     return load(SHAPES_DIR / f"{model}.json", bits=weight_bits(weights), dtype="float16")
 
 
+def fitted_efficiency(device: str, bits: int) -> Efficiency:
+    """The memory and compute efficiencies fitted to every published cell (efficiency.py)
+    of ``device``'s class and the weight format of ``bits`` bytes per weight (16: f16, 8:
+    q8_0, 4: q4_0), else the class's pooled fit."""
+    if device not in devices():
+        raise ValueError(f"device {device!r} is unknown: choose one of {', '.join(devices())}")
+    table = cells()
+    fitted = fit(table, price_cell, lambda c: (device_class(c.device), c.weights))
+    weights = {weight_bits(w): w for w in {c.weights for c in table}}.get(bits, "*")
+    found = efficiency_for(fitted, device_class(device), weights)
+    if found is None:
+        raise ValueError(f"no published cell of {device_class(device)} devices to fit")
+    return found
+
+
 def device_class(device: str) -> str:
     """A device's class (devices.yaml ``class``: apple, nvidia), which the fit groups by."""
     return devices()[device]["class"]
@@ -368,13 +391,18 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[],
         metavar="RESOURCE=FRACTION",
-        help=f"achieved fraction of peak for {', '.join(RESOURCES)} (default 1)",
+        help=f"achieved fraction of peak for {', '.join(RESOURCES)} (default 1), or 'fitted': "
+        "the device class's and weight format's fit to every published cell (validate)",
     )
     parser.add_argument("--out", required=True, help="the profile file to write")
     args = parser.parse_args(argv)
     try:
-        efficiency = {k: float(v) for k, _, v in (e.partition("=") for e in args.efficiency)}
         shape = model_shape(args.model, args.dtype, args.bits, args.group_size)
+        if args.efficiency == ["fitted"]:
+            efficiency = fitted_efficiency(args.device, shape.get("weight_bits", 16))
+        else:
+            pairs = (e.partition("=") for e in args.efficiency)
+            efficiency = {k: float(v) for k, _, v in pairs}
         draft = model_shape(args.draft, shape["dtype"]) if args.draft else None
         data = derive(
             shape,

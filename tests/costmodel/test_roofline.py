@@ -297,3 +297,49 @@ def test_the_model_clock_prices_copies_and_swaps_over_both_columns():
     clock = ModelClock(roofline)
     clock.charge(work)
     assert clock.advance(0.0) == roofline.predict(summed) > 0
+
+
+def test_a_block_tail_is_read_in_full():
+    # 17 tokens of context take two blocks of 16: the gather reads 32 slots, 15 of them
+    # padding, each K and V of one head of 4 values of 2 bytes: 16 more slots x 16 bytes
+    toy_profile = profile(toy())
+    tail = toy_profile.predict(decode_step(1, 17, 16)) - toy_profile.predict(decode_step(1, 16, 16))
+    assert tail == pytest.approx(16 * 2 * 4 * 2 / A100_BW)
+
+
+def test_batched_decode_turns_compute_bound_between_32_and_64_rows_on_an_m2_max():
+    m2 = profile(LLAMA_7B, "m2-max")
+    peak, bandwidth = 13.6e12, 400.0e9
+    for rows, bound in ((32, "memory"), (64, "compute")):
+        q_proj = m2.times(decode_step(rows, 512, 16))["q_proj"]
+        flops = 2 * 4096 * 4096 * rows * 32  # 2 x in x out a row, 32 layers
+        # the weights once, each row's input and output, at 2 bytes, 32 layers
+        traffic = (4096 * 4096 + 2 * 4096 * rows) * 2 * 32
+        assert q_proj == pytest.approx({"compute": flops / peak, "memory": traffic / bandwidth})
+        assert max(q_proj, key=q_proj.get) == bound
+
+
+def test_quantized_weights_cost_mx_quantize_bytes():
+    quantized = derive(toy(weight_bits=4, weight_group_size=8), "a100", block_size=16)
+    # 8 x 8 weights at 4 bits and a float16 scale and bias per 8: 0.5 + 4 / 8 bytes each
+    assert quantized["roofline"]["operators"]["q_proj"]["memory"]["row_groups"] == 64 * 1.0
+
+
+def test_quantized_kv_is_read_as_the_arena_stores_it():
+    wide = toy(head_dim=64, num_heads=1, hidden_size=64)
+    data = derive(wide, "a100", block_size=16, kv_bits=4, kv_group_size=64)
+    # a head's K (or V) of a token at 4 bits: 32 bytes and a 2-byte scale and bias: 36
+    assert data["roofline"]["operators"]["attention"]["memory"]["kv_slots_read"] == 2 * 36
+    assert data["roofline"]["kv_format"] == {"bits": 4, "group_size": 64}
+
+
+def test_a_mixture_reads_the_experts_its_tokens_reach():
+    moe = profile(toy(num_experts=4, experts_per_token=2, num_params=0))
+    one = moe.times(decode_step(1, 16, 16))["experts"]
+    # one token reaches 2 experts: gate, up and down of 8 x 16 at 2 bytes each, and per
+    # expert the activations in and out of its three projections (8 + 16) x 2 bytes x 3
+    assert one["memory"] == pytest.approx((2 * 3 * 8 * 16 * 2 + 2 * 3 * (8 + 16) * 2) / A100_BW)
+    # 32 tokens each pick 2 of 4: all but (1/2)^32 of the 4 experts' weights are read
+    many = moe.times(decode_step(32, 16, 16))["experts"]
+    weights = 4 * (1 - 0.5**32) * 3 * 8 * 16 * 2
+    assert many["memory"] == pytest.approx((weights + 32 * 2 * 3 * (8 + 16) * 2) / A100_BW)

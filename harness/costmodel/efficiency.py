@@ -41,7 +41,7 @@ class Cell:
     weights: str
     device: str
     decode: float  # tokens/s, batch 1
-    prefill: float  # tokens/s over a prompt of ``prompt`` tokens
+    prefill: float | None  # tokens/s over a prompt of ``prompt`` tokens (None: unpublished)
     prompt: int
     decode_tokens: int
     source: str
@@ -85,13 +85,18 @@ def fit(
     """Per ``group`` (device class, weight format): the efficiencies that make the median
     predicted/measured time 1 on ``train`` (module docstring); each class's pooled fit
     under the key (class, "*"). Efficiencies stay in (0, 1]: a cell faster than its peaks
-    says the data sheet is wrong, not the kernel."""
+    says the data sheet is wrong, not the kernel. A group without a prefill figure takes its
+    class's compute efficiency."""
     groups: dict[tuple[str, str], list[Cell]] = {}
     for cell in train:
         kind, weights = group(cell)
         groups.setdefault((kind, weights), []).append(cell)
         groups.setdefault((kind, "*"), []).append(cell)
-    return {key: _fit_one(members, price) for key, members in groups.items()}
+    fitted = {key: _fit_one(members, price) for key, members in groups.items()}
+    for (kind, weights), members in groups.items():
+        if all(c.prefill is None for c in members):
+            fitted[kind, weights]["compute"] = fitted[kind, "*"]["compute"]
+    return fitted
 
 
 def _fit_one(members: Sequence[Cell], price: Price) -> Efficiency:
@@ -100,11 +105,12 @@ def _fit_one(members: Sequence[Cell], price: Price) -> Efficiency:
         predicted = [price(c, eff) for c in members]
         # predicted/measured time = measured/predicted tokens/s; scaling a rate by this
         # median brings the median ratio to 1 (time is ~1/efficiency where it binds)
-        decode = median(c.decode / p[0] for c, p in zip(members, predicted, strict=True))
-        prefill = median(c.prefill / p[1] for c, p in zip(members, predicted, strict=True))
+        pairs = list(zip(members, predicted, strict=True))
+        decode = median(c.decode / p[0] for c, p in pairs)
+        prefill = [c.prefill / p[1] for c, p in pairs if c.prefill is not None]
         eff = {
             "memory": min(1.0, eff["memory"] * decode),
-            "compute": min(1.0, eff["compute"] * prefill),
+            "compute": min(1.0, eff["compute"] * median(prefill)) if prefill else 1.0,
         }
     return eff
 
@@ -123,21 +129,26 @@ def errors(
     group: Callable[[Cell], tuple[str, str]],
 ) -> list[tuple[Cell, float, float]]:
     """Per held-out cell: the relative error of predicted decode and prefill tokens/s
-    (predicted / measured - 1); cells of a class the fit never saw are left out."""
+    (predicted / measured - 1; prefill None where unpublished); cells of a class the fit
+    never saw are left out."""
     rows = []
     for cell in test:
         eff = efficiency_for(fitted, *group(cell))
         if eff is None:
             continue
         decode, prefill = price(cell, eff)
-        rows.append((cell, decode / cell.decode - 1, prefill / cell.prefill - 1))
+        missed = None if cell.prefill is None else prefill / cell.prefill - 1
+        rows.append((cell, decode / cell.decode - 1, missed))
     return rows
 
 
-def summary(values: Sequence[float]) -> str:
-    """Median and 90th percentile of |error|, as percentages."""
-    absolute = np.abs(np.asarray(values))
-    return f"median |error| {np.median(absolute):.1%}, p90 {np.percentile(absolute, 90):.1%}"
+def summary(values: Sequence[float | None]) -> str:
+    """Median and 90th percentile of |error| (of the cells that have one), as percentages."""
+    absolute = np.abs(np.asarray([v for v in values if v is not None]))
+    return (
+        f"median |error| {np.median(absolute):.1%}, p90 {np.percentile(absolute, 90):.1%} "
+        f"({len(absolute)} cells)"
+    )
 
 
 def validate_main(argv: Sequence[str], price: Price, device_class: Callable[[str], str]) -> int:
@@ -172,15 +183,16 @@ def validate_main(argv: Sequence[str], price: Price, device_class: Callable[[str
     if len(rows) < len(test):
         print(f"{len(test) - len(rows)} held-out cells of a class the fit never saw: left out")
     print("held out (tokens/s: measured, predicted, error):")
-    print(f"  {'device':10} {'model':12} {'weights':7} {'decode':>26} {'prefill':>30}")
+    print(f"  {'device':10} {'model':12} {'weights':8} {'decode':>26} {'prefill':>30}")
     for cell, decode_error, prefill_error in rows:
         eff = efficiency_for(fitted, *group(cell))
         decode, prefill = price(cell, eff)
+        measured = "-" if cell.prefill is None else f"{cell.prefill:9.1f}"
+        missed = "-" if prefill_error is None else f"{prefill_error:+7.1%}"
         print(
-            f"  {cell.device:10} {cell.model:12} {cell.weights:7} {cell.decode:8.1f} "
-            f"{decode:8.1f} {decode_error:+7.1%} {cell.prefill:9.1f} {prefill:9.1f} "
-            f"{prefill_error:+7.1%}"
+            f"  {cell.device:10} {cell.model:12} {cell.weights:8} {cell.decode:8.1f} "
+            f"{decode:8.1f} {decode_error:+7.1%} {measured:>9} {prefill:9.1f} {missed:>7}"
         )
     print(f"decode:  {summary([r[1] for r in rows])}")
     print(f"prefill: {summary([r[2] for r in rows])}")
-    return 1 if any(math.isnan(r[1]) or math.isnan(r[2]) for r in rows) else 0
+    return 1 if any(math.isnan(r[1]) for r in rows) else 0

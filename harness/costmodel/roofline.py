@@ -336,16 +336,19 @@ def _cell_shape(model: str, weights: str) -> dict[str, Any]:
 
 def fitted_efficiency(device: str, bits: int) -> Efficiency:
     """The memory and compute efficiencies fitted to every published cell (efficiency.py)
-    of ``device``'s class and the weight format of ``bits`` bytes per weight (16: f16, 8:
-    q8_0, 4: q4_0), else the class's pooled fit."""
+    of ``device``'s class and weights of ``bits``: the format with the most cells of that
+    class at those bits (Apple 4 bits: llama.cpp's q4_0 over mlx_4bit's one cell), else the
+    class's pooled fit."""
     if device not in devices():
         raise ValueError(f"device {device!r} is unknown: choose one of {', '.join(devices())}")
+    kind = device_class(device)
     table = cells()
     fitted = fit(table, price_cell, lambda c: (device_class(c.device), c.weights))
-    weights = {weight_bits(w): w for w in {c.weights for c in table}}.get(bits, "*")
-    found = efficiency_for(fitted, device_class(device), weights)
+    same = [c.weights for c in table if device_class(c.device) == kind]
+    formats = sorted({w for w in same if weight_bits(w) == bits}, key=lambda w: (-same.count(w), w))
+    found = efficiency_for(fitted, kind, formats[0] if formats else "*")
     if found is None:
-        raise ValueError(f"no published cell of {device_class(device)} devices to fit")
+        raise ValueError(f"no published cell of {kind} devices to fit")
     return found
 
 

@@ -228,7 +228,7 @@ def test_every_device_has_every_figure_and_its_source():
 def test_the_devices_users_have_are_all_there():
     apple = {f"m{n}{tier}" for n in range(1, 5) for tier in ("", "-pro", "-max")}
     apple |= {"m1-ultra", "m2-ultra", "m3-ultra"}
-    nvidia = {"l4", "a10g", "rtx4090", "a100-40gb", "a100", "h100-pcie", "h100", "h200"}
+    nvidia = {"l4", "a10g", "rtx3090", "rtx4090", "a100-40gb", "a100", "h100-pcie", "h100", "h200"}
     assert apple | nvidia == set(devices())
 
 

@@ -366,7 +366,7 @@ def model_shape(
         if bits not in (None, 16):
             raise ShapeError(f"--bits={bits}: the random sizes are unquantized; give a config")
         return shape_of(model, dtype or "float32")
-    return load(model, bits=bits, group_size=group_size, dtype=dtype)
+    return load(model, bits=bits, group_size=group_size, dtype=dtype, option="--model")
 
 
 def main(argv: list[str] | None = None) -> int:

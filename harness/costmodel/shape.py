@@ -69,32 +69,33 @@ def load(
     bits: int | None = None,
     group_size: int = 64,
     dtype: str | None = None,
+    option: str = "model.config",
 ) -> dict[str, Any]:
     """The shape of the config.json at ``path`` (the file, or a folder holding one).
 
     ``bits`` (16, 8 or 4) prices the weights at that width, mx.quantize's groups of
     ``group_size`` (default: what the config's mlx_lm ``quantization`` says, else 16);
-    ``dtype`` overrides the config's ``torch_dtype``."""
-    config, name = read_config(path)
+    ``dtype`` overrides the config's ``torch_dtype``; ``option`` is the setting errors name."""
+    config, name = read_config(path, option)
     return from_config(config, name, bits=bits, group_size=group_size, dtype=dtype)
 
 
-def read_config(path: str | Path) -> tuple[dict[str, Any], str]:
+def read_config(path: str | Path, option: str = "model.config") -> tuple[dict[str, Any], str]:
     """The parsed config.json at ``path`` (the file, or a folder holding one) and a name for
-    it: the folder's for a config.json, else the file's stem."""
+    it: the folder's for a config.json, else the file's stem; errors name ``option``."""
     where = Path(path).expanduser()
     file = where / "config.json" if where.is_dir() else where
     if not file.is_file():
         raise ShapeError(
-            f"model.config={str(path)!r}: no such file or folder with a config.json; point it "
+            f"{option}={str(path)!r}: no such file or folder with a config.json; point it "
             "at a config.json or a model folder holding one"
         )
     try:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as e:
-        raise ShapeError(f"model.config={str(path)!r}: not a JSON config ({e})") from None
+        raise ShapeError(f"{option}={str(path)!r}: not a JSON config ({e})") from None
     if not isinstance(config, dict):
-        raise ShapeError(f"model.config={str(path)!r}: not a JSON object")
+        raise ShapeError(f"{option}={str(path)!r}: not a JSON object")
     return config, file.parent.name if file.name == "config.json" else file.stem
 
 

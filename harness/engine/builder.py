@@ -243,7 +243,8 @@ def _modelled(
         raise ValueError(
             f"engine.profile={profile!r} prices model {priced.data['model'].get('name')!r} "
             f"(fingerprint {theirs}), not {model.name!r} ({mine}): calibrate this model, "
-            "or pick its model= group"
+            "pick its model= group, or derive the roofline from the same shape (config, "
+            "model.bits, model.dtype)"
         )
     if model.window_layers:
         raise ValueError(

@@ -147,3 +147,8 @@ def test_shape_of_counts_the_random_llamas():
     # and LM head 256 x 1024 each; the final norm
     layer = 2 * 256**2 + 2 * 256 * 128 + 3 * 256 * 704 + 2 * 256
     assert num_params(tiny) == tiny["num_params"] == 4 * layer + 2 * 256 * 1024 + 256
+
+
+def test_errors_name_the_option_they_came_from(tmp_path):
+    with pytest.raises(ShapeError, match=r"^--model='nowhere': no such file"):
+        load("nowhere", option="--model")

@@ -52,10 +52,11 @@ FORMAT, VERSION = "kvbench-profile", 1
 MOVES = ("block_copies", "swap_blocks")  # priced per block, whatever the step's kind
 INTERCEPT = "step"
 # A roofline profile's resources (FLOPs, bytes, bytes over the host link) and the counts an
-# operator may be priced by: the step's features, and the padded batches that run the LM
-# head (a batch of prefill chunks that want no logits skips it).
+# operator may be priced by: the step's features, the padded batches that run the LM head
+# (a batch of prefill chunks that want no logits skips it), and a mixture of experts'
+# experts whose weights the padded batches read (``RooflineProfile.times``).
 RESOURCES = ("compute", "memory", "host_link")
-COUNTS = (*PRICED, "logit_groups")
+COUNTS = (*PRICED, "logit_groups", "experts_read")
 
 
 class ProfileError(ValueError):
@@ -135,6 +136,8 @@ class RooflineProfile:
         try:
             rates = {r: section["peak"][r] * section["efficiency"][r] for r in RESOURCES}
             self._overhead = section["overhead"]["step"], section["overhead"]["rows"]
+            experts = section.get("experts")
+            self._experts = (experts["num"], experts["active"]) if experts else None
             # name -> resource -> (rate, [(count, amount per unit)])
             self._operators = {
                 name: {r: (rates[r], list(per.items())) for r, per in op.items()}
@@ -151,9 +154,21 @@ class RooflineProfile:
                 )
 
     def times(self, work: StepWork) -> dict[str, dict[str, float]]:
-        """Each operator's seconds on each resource it uses: the roofline's bars."""
+        """Each operator's seconds on each resource it uses: the roofline's bars.
+
+        A mixture of experts' padded batch of t tokens, each routed to k of E experts, reads
+        the weights of the experts at least one token reaches: E (1 - (1 - k/E)^t) of them
+        on average if tokens pick experts uniformly and independently (a router balanced by
+        its training loss; real routing is skewed, so fewer); with t the step's padded query
+        tokens per group."""
         counts = dict(zip(PRICED, work.vector(), strict=True))
         counts["logit_groups"] = min(work.row_groups, work.logit_rows)
+        counts["experts_read"] = 0.0
+        if self._experts is not None and work.row_groups:
+            experts, k = self._experts
+            tokens = work.query_tokens_padded / work.row_groups
+            reached = experts * (1 - (1 - k / experts) ** tokens)
+            counts["experts_read"] = work.row_groups * reached
         return {
             name: {r: sum(a * counts[k] for k, a in per) / rate for r, (rate, per) in op.items()}
             for name, op in self._operators.items()

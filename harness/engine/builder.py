@@ -80,14 +80,20 @@ def build_engine(
     ``kv_bits``: 16 stores K and V in the model's dtype; 8 or 4 quantizes them group-wise
     (``kv_group_size`` values per scale and bias, as ``mx.quantize``) in the arena, the
     draft's included, and ``kv_cache_bytes`` buys blocks at their quantized size. Not with
-    sliding-window layers (their rings are not quantized) or the model clock (its profile
-    prices unquantized attention).
+    sliding-window layers (their rings are not quantized); on the model clock, only with a
+    roofline profile derived at the same format (``--kv-bits``: measured profiles price
+    unquantized attention).
 
     ``clock``: ``virtual`` or ``wall`` (harness/engine/clock.py), or ``model``: no model
     forward, each step priced by the cost ``profile`` file (harness/engine/modelled.py),
     speculative drafts accepted with probability ``acceptance`` (default: the profile's
     measured rate). ``seed``, ``record``, ``pipeline`` and ``logprobs_mode`` are
     ``LLMEngine``'s."""
+    if model.model is None and clock != "model":
+        raise ValueError(
+            f"model=shape ({model.name!r}) has no weights to run on engine.clock={clock}: "
+            "set engine.clock=model engine.profile=PATH (a roofline of its config)"
+        )
     modelled = _modelled(model, clock, profile, acceptance, speculative, pipeline, block_size)
     kv_format = KVFormat(kv_bits, kv_group_size)
     kv_format.check(model)
@@ -96,11 +102,8 @@ def build_engine(
             f"engine.kv_bits={kv_bits} is not supported for the sliding-window layers of "
             f"model {model.name!r} (their rings are not quantized): use engine.kv_bits=16"
         )
-    if kv_format.quantized and modelled is not None:
-        raise ValueError(
-            f"engine.kv_bits={kv_bits} is not priced by engine.clock=model (a profile prices "
-            "unquantized attention): use engine.clock=virtual, or engine.kv_bits=16"
-        )
+    if modelled is not None:
+        _check_priced_kv(modelled[0], kv_format)
     limit = model.max_position_embeddings
     if max_model_len is not None and (isinstance(max_model_len, bool) or max_model_len < 1):
         raise ValueError(
@@ -242,7 +245,8 @@ def _modelled(
         raise ValueError(
             f"engine.profile={profile!r} prices model {priced.data['model'].get('name')!r} "
             f"(fingerprint {theirs}), not {model.name!r} ({mine}): calibrate this model, "
-            "or pick its model= group"
+            "pick its model= group, or derive the roofline from the same shape (config, "
+            "model.bits, model.dtype)"
         )
     if priced.data["block_size"] != block_size:  # its per-block costs were counted at its own
         warnings.warn(
@@ -273,3 +277,20 @@ def _modelled(
     if rate is not None and not (isinstance(rate, (int, float)) and 0 <= rate <= 1):
         raise ValueError(f"engine.acceptance={rate!r} is invalid: a number in [0, 1]")
     return priced, 0.0 if rate is None else float(rate)
+
+
+def _check_priced_kv(profile: Profile, kv_format: KVFormat) -> None:
+    """The profile prices K and V as the arena stores them: a roofline at its ``kv_format``
+    (16 bits when it names none, as before it could), a measured profile at 16."""
+    section = profile.data.get("roofline") or {}
+    priced = section.get("kv_format", {"bits": 16, "group_size": kv_format.group_size})
+    same = priced["bits"] == kv_format.bits
+    if same and kv_format.quantized:
+        same = priced["group_size"] == kv_format.group_size
+    if not same:
+        raise ValueError(
+            f"engine.kv_bits={kv_format.bits} (kv_group_size={kv_format.group_size}) is not "
+            f"what engine.profile prices (K and V at {priced['bits']} bits, group "
+            f"{priced['group_size']}): derive the roofline with --kv-bits {kv_format.bits}, or "
+            f"set engine.kv_bits={priced['bits']}"
+        )

@@ -244,7 +244,7 @@ GROUP_COST = 16  # a group's own cost (a pass over the weights, graph building),
 def key_cost(loaded: LoadedModel) -> float:
     """One key read by one query, in units of one token through the weights: attention
     takes ~4 flops per hidden unit per key, the layers' matmuls ~24 per hidden unit^2."""
-    return 1.0 / (KEYS_PER_TOKEN_COST * loaded.model.args.hidden_size)
+    return 1.0 / (KEYS_PER_TOKEN_COST * loaded.hidden_size)
 
 
 def group_rows(rows: Sequence[Row], key_cost: float) -> list[list[int]]:

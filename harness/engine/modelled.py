@@ -1,9 +1,11 @@
 """The engine without a model (``engine.clock=model``): a step priced by a cost profile.
 
 The same LLMEngine, allocators, schedulers, recorder and metrics run; only what computes a
-step changes. ``ModelledRunner`` stands in for the model behind the ``Runner`` seam: it
-counts the step's work (``forward_work``, the same counts the real runner reports) and
-chooses the tokens, and ``ModelClock`` advances by the profile's price of that work
+step changes. ``shape_model`` (``model=shape model.config=PATH``) is a model without
+weights: its config.json's shape, all the model clock needs. ``ModelledRunner`` stands in
+for the model behind the ``Runner`` seam: it counts the step's work (``forward_work``, the
+same counts the real runner reports) and chooses the tokens, and ``ModelClock`` advances by
+the profile's price of that work
 (harness/costmodel). Nothing is timed, so a replay gives the same tables on any machine,
 under any load.
 
@@ -18,14 +20,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import mlx.core as mx
 import numpy as np
 
 from harness.costmodel.profile import Profile
+from harness.costmodel.shape import from_config, read_config
 from harness.costmodel.work import StepWork
 from harness.engine.clock import VirtualClock
 from harness.engine.model_runner import Forward, Row, forward_work, group_rows
 from harness.engine.speculative import Proposal, RowFor
+from harness.platform.models import LoadedModel
 from schedulers.output import Scheduled, SchedulerOutput
+
+
+def shape_model(
+    config: str, bits: int | None = None, group_size: int = 64, dtype: str | None = None
+) -> LoadedModel:
+    """A model of ``config``'s shape (a config.json, or a folder holding one; ``bits``,
+    ``group_size`` and ``dtype`` as harness/costmodel/shape.py ``load``) without weights or
+    tokenizer: the model clock prices its steps, nothing runs it (``build_engine`` refuses
+    it on another clock). Prompts are token ids below its vocabulary."""
+    parsed, name = read_config(config)
+    shape = from_config(parsed, name, bits=bits, group_size=group_size, dtype=dtype)
+    return LoadedModel(
+        model=None,
+        name=shape["name"],
+        num_layers=shape["num_layers"],
+        num_kv_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        vocab_size=shape["vocab_size"],
+        dtype=getattr(mx, shape["dtype"]),
+        max_position_embeddings=parsed.get("max_position_embeddings"),
+        window_layers=tuple(shape["window_layers"]),
+        window=shape["window"],
+        spec=shape,
+    )
 
 
 def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True) -> StepWork:

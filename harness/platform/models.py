@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
+from harness.platform.formats import BITS, stored_bytes
+
 # Sizes named by configs. "tiny" keeps tests fast on a 2-core CPU; "small" (~32M params)
 # makes the forward dominate in benchmarks without taking hours there.
 _SIZE_FIELDS = (
@@ -55,9 +57,11 @@ ARCH_FIELDS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class LoadedModel:
-    """An mlx_lm model plus the facts the KV arena and the sampler need."""
+    """An mlx_lm model plus the facts the KV arena and the sampler need; or, with ``model``
+    None, a shape alone (``spec``: ``model=shape``), which only the model clock runs: it
+    prices steps and builds no weights."""
 
-    model: nn.Module
+    model: nn.Module | None
     name: str
     num_layers: int
     num_kv_heads: int
@@ -71,10 +75,18 @@ class LoadedModel:
     # ``window`` positions, itself included. Empty: every layer is full attention.
     window_layers: tuple[int, ...] = ()
     window: int | None = None
+    spec: dict[str, Any] | None = None  # the shape of a model without weights (shape())
 
     @property
     def num_params(self) -> int:
+        if self.model is None:
+            return self.spec["num_params"]
         return sum(v.size for _, v in tree_flatten(self.model.parameters()))
+
+    @property
+    def hidden_size(self) -> int:
+        """The residual stream's width."""
+        return self.spec["hidden_size"] if self.model is None else self.model.args.hidden_size
 
     @property
     def full_layers(self) -> tuple[int, ...]:
@@ -85,6 +97,8 @@ class LoadedModel:
     def shape(self) -> dict[str, Any]:
         """What a step's cost depends on (a cost profile's ``model``, harness/costmodel):
         the architecture's sizes and dtype, not the weights' values."""
+        if self.model is None:
+            return dict(self.spec)
         args = self.model.args
         return {
             "name": self.name,
@@ -115,7 +129,7 @@ class LoadedModel:
         return len(self.full_layers) * self.layer_bytes_per_token(bits, group_size)
 
 
-KV_BITS = (16, 8, 4)  # engine.kv_bits: 16 is the model's dtype, 8 and 4 mx.quantize's
+KV_BITS = BITS  # engine.kv_bits: 16 is the model's dtype, 8 and 4 mx.quantize's
 
 
 def kv_row_bytes(head_dim: int, dtype: mx.Dtype, bits: int = 16, group_size: int = 64) -> int:
@@ -125,10 +139,8 @@ def kv_row_bytes(head_dim: int, dtype: mx.Dtype, bits: int = 16, group_size: int
     names "not quantized"). 8 or 4: group-wise affine quantization as ``mx.quantize`` and
     mlx_lm's ``QuantizedKVCache`` do it, along ``head_dim`` in groups of ``group_size``:
     ``head_dim * bits / 8`` bytes of packed values (uint32 words) plus a scale and a bias in
-    ``dtype`` per group, all counted."""
-    if bits == 16:
-        return head_dim * dtype.size
-    return head_dim * bits // 8 + 2 * (head_dim // group_size) * dtype.size
+    ``dtype`` per group, all counted (``formats.stored_bytes``)."""
+    return stored_bytes(head_dim, dtype.size, bits, group_size)
 
 
 def random_model(

@@ -33,7 +33,7 @@ def test_every_group_has_options() -> None:
     assert {"ray", "submitit_slurm"} <= set(options("hydra/launcher"))
 
 
-@pytest.mark.parametrize("name", [m for m in options("model") if m != "pretrained"])
+@pytest.mark.parametrize("name", [m for m in options("model") if m not in ("pretrained", "shape")])
 def test_model_options_build(compose_cfg, name: str) -> None:
     cfg = compose_cfg([f"model={name}"])
     validate(cfg)
@@ -46,6 +46,17 @@ def test_pretrained_model_needs_a_path(compose_cfg) -> None:
     with pytest.raises(ConfigError, match=r"model\.path is required.*model\.path="):
         validate(compose_cfg(["model=pretrained"]))
     validate(compose_cfg(["model=pretrained", "model.path=/models/any"]))  # shape is valid
+
+
+def test_shape_model_needs_a_config_and_builds_no_weights(compose_cfg) -> None:
+    with pytest.raises(ConfigError, match=r"model\.config is required.*model\.config="):
+        validate(compose_cfg(["model=shape"]))
+    config = Path(CONFIG_DIR).parent / "harness/costmodel/shapes/llama-3.2-1b.json"
+    cfg = compose_cfg(["model=shape", f"model.config={config}", "model.bits=4"])
+    validate(cfg)
+    model = instantiate(cfg.model)
+    assert model.model is None and model.shape()["weight_bits"] == 4
+    assert model.num_layers == 16 and model.vocab_size >= cfg.trace.vocab_size
 
 
 @pytest.mark.parametrize("name", options("allocator"))

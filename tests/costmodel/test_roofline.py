@@ -14,8 +14,8 @@ from harness.costmodel.roofline import (
     devices,
     main,
     prefill_step,
-    shape_of,
 )
+from harness.costmodel.shape import shape_of
 from harness.costmodel.work import PRICED, StepWork
 from harness.engine.modelled import ModelClock
 
@@ -209,20 +209,36 @@ def test_shape_of_matches_the_built_model(model):
     assert shape_of("tiny") == {**model.shape(), "name": "llama-tiny"}
 
 
-def test_every_device_sheet_is_numbers():
+FIELDS = ("peak_flops", "memory_bandwidth", "host_link_bandwidth", "disk_bandwidth")
+
+
+def test_every_device_has_every_figure_and_its_source():
     for name, sheet in devices().items():
+        assert sheet["class"] in ("apple", "nvidia") and sheet["description"], name
         figures = [*sheet["peak_flops"].values(), sheet["memory_bandwidth"]]
-        figures += [sheet["host_link_bandwidth"], sheet["memory_capacity"]]
-        assert all(isinstance(x, (int, float)) and x > 0 for x in figures), name
+        figures += [sheet["host_link_bandwidth"], sheet["disk_bandwidth"]]
+        assert all(isinstance(x, float) and x > 0 for x in figures), name
+        assert isinstance(sheet["memory_capacity"], int) and sheet["memory_capacity"] > 0
         assert set(sheet["peak_flops"]) == {"fp16", "fp32"}, name
+        sources = sheet["sources"]
+        assert set(sources) == {*FIELDS, "memory_capacity"}, name
+        assert all(isinstance(s, str) and len(s) >= 10 for s in sources.values()), name
+
+
+def test_the_devices_users_have_are_all_there():
+    apple = {f"m{n}{tier}" for n in range(1, 5) for tier in ("", "-pro", "-max")}
+    apple |= {"m1-ultra", "m2-ultra", "m3-ultra"}
+    nvidia = {"l4", "a10g", "rtx3090", "rtx4090", "a100-40gb", "a100", "h100-pcie", "h100", "h200"}
+    assert apple | nvidia == set(devices())
 
 
 def test_unknown_device_names_the_known_ones(tmp_path, capsys):
-    with pytest.raises(ValueError, match="a100, h100, m2-max, m3-ultra"):
+    known = ", ".join(devices())
+    with pytest.raises(ValueError, match=known):
         derive(shape_of("tiny"), "tpu-v5", block_size=16)
     assert main(["--device", "tpu-v5", "--model", "tiny", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "a100, h100, m2-max, m3-ultra" in err
+    assert err.count("\n") == 1 and known in err
     assert not (tmp_path / "p").exists()
 
 
@@ -241,7 +257,6 @@ def test_command_writes_a_loadable_profile(tmp_path, capsys):
 @pytest.mark.parametrize(
     "shape, match",
     [
-        (toy(window_layers=[0]), "sliding-window"),
         (toy(num_params=10**6), "mixture of experts"),
         (toy(dtype="int4"), "dtype_bytes"),
         ({**toy(), "head_dim": None}, "head_dim"),
@@ -286,3 +301,49 @@ def test_the_model_clock_prices_copies_and_swaps_over_both_columns():
     clock = ModelClock(roofline)
     clock.charge(work)
     assert clock.advance(0.0) == roofline.predict(summed) > 0
+
+
+def test_a_block_tail_is_read_in_full():
+    # 17 tokens of context take two blocks of 16: the gather reads 32 slots, 15 of them
+    # padding, each K and V of one head of 4 values of 2 bytes: 16 more slots x 16 bytes
+    toy_profile = profile(toy())
+    tail = toy_profile.predict(decode_step(1, 17, 16)) - toy_profile.predict(decode_step(1, 16, 16))
+    assert tail == pytest.approx(16 * 2 * 4 * 2 / A100_BW)
+
+
+def test_batched_decode_turns_compute_bound_between_32_and_64_rows_on_an_m2_max():
+    m2 = profile(LLAMA_7B, "m2-max")
+    peak, bandwidth = 13.6e12, 400.0e9
+    for rows, bound in ((32, "memory"), (64, "compute")):
+        q_proj = m2.times(decode_step(rows, 512, 16))["q_proj"]
+        flops = 2 * 4096 * 4096 * rows * 32  # 2 x in x out a row, 32 layers
+        # the weights once, each row's input and output, at 2 bytes, 32 layers
+        traffic = (4096 * 4096 + 2 * 4096 * rows) * 2 * 32
+        assert q_proj == pytest.approx({"compute": flops / peak, "memory": traffic / bandwidth})
+        assert max(q_proj, key=q_proj.get) == bound
+
+
+def test_quantized_weights_cost_mx_quantize_bytes():
+    quantized = derive(toy(weight_bits=4, weight_group_size=8), "a100", block_size=16)
+    # 8 x 8 weights at 4 bits and a float16 scale and bias per 8: 0.5 + 4 / 8 bytes each
+    assert quantized["roofline"]["operators"]["q_proj"]["memory"]["row_groups"] == 64 * 1.0
+
+
+def test_quantized_kv_is_read_as_the_arena_stores_it():
+    wide = toy(head_dim=64, num_heads=1, hidden_size=64)
+    data = derive(wide, "a100", block_size=16, kv_bits=4, kv_group_size=64)
+    # a head's K (or V) of a token at 4 bits: 32 bytes and a 2-byte scale and bias: 36
+    assert data["roofline"]["operators"]["attention"]["memory"]["kv_slots_read"] == 2 * 36
+    assert data["roofline"]["kv_format"] == {"bits": 4, "group_size": 64}
+
+
+def test_a_mixture_reads_the_experts_its_tokens_reach():
+    moe = profile(toy(num_experts=4, experts_per_token=2, num_params=0))
+    one = moe.times(decode_step(1, 16, 16))["experts"]
+    # one token reaches 2 experts: gate, up and down of 8 x 16 at 2 bytes each, and per
+    # expert the activations in and out of its three projections (8 + 16) x 2 bytes x 3
+    assert one["memory"] == pytest.approx((2 * 3 * 8 * 16 * 2 + 2 * 3 * (8 + 16) * 2) / A100_BW)
+    # 32 tokens each pick 2 of 4: all but (1/2)^32 of the 4 experts' weights are read
+    many = moe.times(decode_step(32, 16, 16))["experts"]
+    weights = 4 * (1 - 0.5**32) * 3 * 8 * 16 * 2
+    assert many["memory"] == pytest.approx((weights + 32 * 2 * 3 * (8 + 16) * 2) / A100_BW)

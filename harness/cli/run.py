@@ -383,17 +383,34 @@ PARTIAL = ".partial"  # conf/config.yaml's hydra.sweep.subdir: a sweep job being
 
 def job_folder(output_dir: Path) -> Path:
     """Where a job's folder goes once it ends: a sweep job written in
-    ``<sweep>/.partial/<name>`` goes to ``<sweep>/<name>``; any other folder stays put."""
-    if output_dir.parent.name == PARTIAL:
-        return output_dir.parent.parent / output_dir.name
-    return output_dir
+    ``<sweep>/.partial/<name>`` goes to ``<sweep>/<name>``; any other folder stays put. A
+    name may hold ``/`` (an override whose value is a path, ``engine.profile=results/...``):
+    it is then several folders deep under ``.partial``."""
+    parts = output_dir.parts
+    if PARTIAL not in parts:
+        return output_dir
+    at = len(parts) - 1 - parts[::-1].index(PARTIAL)
+    return Path(*parts[:at], *parts[at + 1 :])
 
 
 def publish(written: Path, final: Path) -> None:
     """Move a job's folder from where it was written to ``final`` in one rename (a reader
-    sees the whole job or none of it), replacing an earlier failed attempt's folder."""
+    sees the whole job or none of it), replacing an earlier failed attempt's folder; the
+    folders a name with ``/`` made under ``.partial`` go once empty."""
     if written == final or not written.exists():
         return
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _move(written, final)
+    parent = written.parent
+    while parent.name != PARTIAL and parent != parent.parent:
+        try:
+            parent.rmdir()  # an emptied folder of a name's path; stops at one in use
+        except OSError:
+            break
+        parent = parent.parent
+
+
+def _move(written: Path, final: Path) -> None:
     if final.exists():
         replaced = written.with_name(f"{written.name}.replaced")
         shutil.rmtree(replaced, ignore_errors=True)  # left by a process killed right here

@@ -488,3 +488,32 @@ def test_outputs_cut_to_fit_max_model_len_are_counted_once_before_the_replay(
     short = requests[requests["output_tokens"] < requests["request_id"].map(asked)]
     assert len(short) == 3 and (short["finish_reason"] == "length").all()
     assert not [w for w in recwarn if issubclass(w.category, OutputCutWarning)]  # said once
+
+
+def test_a_sweep_job_named_by_a_path_override_lands_in_place(kvbench, tmp_path) -> None:
+    # An override whose value is a path (engine.profile=.../x.json) puts "/" in the job's
+    # name: its folder is several deep under .partial while written, and must still be moved
+    # into the sweep folder whole when it ends, the emptied folders under .partial gone.
+    from support import ROOT
+
+    from harness.cli.run import job_folder, publish
+
+    profile = ROOT / "results/baselines/profile-llama-tiny.json"
+    kvbench("-m", "engine.clock=model", f"engine.profile={profile}", "sweep_id=p")
+    sweep = tmp_path / "results/default/multiruns/p"
+    summaries = list(sweep.rglob("summary.json"))
+    assert len(summaries) == 1 and ".partial" not in summaries[0].parts
+    name = f"engine.clock=model,engine.num_blocks=64,engine.profile={profile},trace=smoke"
+    assert summaries[0].parent == sweep / name  # the kvbench fixture adds the last two
+    assert not (sweep / ".partial").exists()
+    # The same by hand, folder by folder: where a name's path goes, and what is left behind.
+    written = tmp_path / "s/.partial/a=x/y/z.json,b=1"
+    assert job_folder(written) == tmp_path / "s/a=x/y/z.json,b=1"
+    assert job_folder(tmp_path / "plain/run") == tmp_path / "plain/run"
+    written.mkdir(parents=True)
+    (written / "summary.json").write_text("{}")
+    (tmp_path / "s/.partial/a=x/other").mkdir()  # another job's folder still being written
+    publish(written, job_folder(written))
+    assert (tmp_path / "s/a=x/y/z.json,b=1/summary.json").read_text() == "{}"
+    assert not (tmp_path / "s/.partial/a=x/y").exists()
+    assert (tmp_path / "s/.partial/a=x/other").exists()

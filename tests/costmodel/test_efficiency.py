@@ -71,12 +71,13 @@ def test_validate_prints_the_held_out_table(capsys):
     assert main(["validate"]) == 0
     out = capsys.readouterr().out
     assert "held out" in out and "decode:  median |error|" in out
-    assert device_class("h100") == "nvidia" and device_class("m3-ultra") == "apple"
+    assert device_class("h100") == "nvidia" and device_class("m4-max") == "apple"
+    assert device_class("m3-ultra") == "apple-ultra"  # two dies: a class of its own
 
 
 def test_fitted_efficiency_takes_the_format_with_the_most_cells():
     fitted = fit(cells(), price_cell, lambda c: (device_class(c.device), c.weights))
-    # Apple at 4 bits: llama.cpp's q4_0 (15 cells), not mlx_4bit (1)
+    # Apple at 4 bits: llama.cpp's q4_0 (12 cells; mlx_4bit has 1, an Ultra's)
     assert fitted_efficiency("m4-max", 4) == fitted[("apple", "q4_0")]
     # NVIDIA has no 16-bit cell: the class's pooled fit
     assert fitted_efficiency("h100", 16) == fitted[("nvidia", "*")]

@@ -214,7 +214,8 @@ FIELDS = ("peak_flops", "memory_bandwidth", "host_link_bandwidth", "disk_bandwid
 
 def test_every_device_has_every_figure_and_its_source():
     for name, sheet in devices().items():
-        assert sheet["class"] in ("apple", "nvidia") and sheet["description"], name
+        assert sheet["class"] in ("apple", "apple-ultra", "nvidia") and sheet["description"], name
+        assert (sheet["class"] == "apple-ultra") == name.endswith("-ultra"), name
         figures = [*sheet["peak_flops"].values(), sheet["memory_bandwidth"]]
         figures += [sheet["host_link_bandwidth"], sheet["disk_bandwidth"]]
         assert all(isinstance(x, float) and x > 0 for x in figures), name

@@ -11,6 +11,7 @@ durations timed before and after a run into its noise figure: (slowest - fastest
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -44,5 +45,6 @@ def probe(repeats: int = REPEATS) -> list[float]:
 
 def spread(durations: Sequence[float]) -> float:
     """(slowest - fastest) / median of ``durations``: the relative change in speed the
-    machine showed over them (0: none)."""
-    return (max(durations) - min(durations)) / statistics.median(durations)
+    machine showed over them (0: none); NaN when the clock did not move (an injected one)."""
+    median = statistics.median(durations)
+    return (max(durations) - min(durations)) / median if median > 0 else math.nan

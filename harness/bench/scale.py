@@ -15,9 +15,9 @@ throughput on the model clock, and sequence-steps (a sequence's row in a step) p
 second of the replay and its inverse, microseconds of replay wall per sequence-step; then,
 per configuration, the wall time of the largest size over the one before (linear: the sizes'
 ratio). ``--against REF`` runs every cell a second time on the code of git commit ``REF`` (a
-temporary checkout: ``git archive``), on the same machine in the same run, alternating with
-this code cell by cell so that both see the same load, and prints this code's CPU per
-sequence-step over REF's.
+temporary checkout: ``git archive``), on the same machine in the same run, beside this code
+cell by cell (REF first in every other cell: the order alone moved a ratio by 20-30 % here)
+so that both see the same load, and prints this code's CPU per sequence-step over REF's.
 
 The arena (``--num-blocks 4096`` of 16 slots) holds ``max_num_seqs`` (32) sequences of
 ``max_model_len`` (2048) even rounded up to a buddy allocator's powers of two, so requests
@@ -224,15 +224,21 @@ def main(argv: list[str] | None = None) -> None:
                         cell = {"trace": trace, "allocator": allocator, "scheduler": scheduler,
                                 "size": size, "rate": args.rate}  # fmt: skip
                         folder = out / "-".join(str(v) for v in cell.values())
-                        got = measure(cell, args.num_blocks, args.timeout, folder)
-                        if not args.out:  # a 100k-request run's tables take ~100 MB
-                            shutil.rmtree(folder, ignore_errors=True)
-                        rows.append(cell | {"got": got})
-                        if old_code is not None:
-                            old = measure(cell, args.num_blocks, args.timeout,
-                                          Path(tmp) / "against-run", old_code)  # fmt: skip
-                            shutil.rmtree(Path(tmp) / "against-run", ignore_errors=True)
-                            rows[-1]["old"] = old
+                        row = dict(cell)
+                        # Against REF, every other cell runs REF first: on a shared machine
+                        # the order alone moved a cell's ratio by 20-30 %.
+                        first = len(rows) % 2 if old_code is not None else 0
+                        for which in ("got", "old")[::-1] if first else ("got", "old"):
+                            if which == "got":
+                                row["got"] = measure(cell, args.num_blocks, args.timeout, folder)
+                                if not args.out:  # a 100k-request run's tables take ~100 MB
+                                    shutil.rmtree(folder, ignore_errors=True)
+                            elif old_code is not None:
+                                against_run = Path(tmp) / "against-run"
+                                row["old"] = measure(cell, args.num_blocks, args.timeout,
+                                                     against_run, old_code)  # fmt: skip
+                                shutil.rmtree(against_run, ignore_errors=True)
+                        rows.append(row)
                         print(" ".join(format_cells(rows[-1:]).splitlines()[-1].split()),
                               flush=True)  # fmt: skip
     against = f"; REF = {args.against}" if args.against else ""

@@ -353,7 +353,8 @@ def fitted_efficiency(device: str, bits: int) -> Efficiency:
 
 
 def device_class(device: str) -> str:
-    """A device's class (devices.yaml ``class``: apple, apple-ultra, nvidia), which the fit groups by."""
+    """A device's class (devices.yaml ``class``: apple, apple-ultra, nvidia), which the fit
+    groups by."""
     return devices()[device]["class"]
 
 

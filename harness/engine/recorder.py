@@ -142,12 +142,10 @@ class Recorder:
         unwritten = 0  # allocated slots not written by the end of this step
         refs = 0  # table entries: a block once per table that holds it
         live, holders = self._live, self._holders
-        current = set()
         for seq, (num_tokens, held_slots, table) in zip(stats.running, stats.holdings, strict=True):
             written = seq.num_computed_tokens + new.get(seq, 0)
             unwritten += num_tokens - written
             key = (seq, seq.preemptions)
-            current.add(key)
             holding = live.get(key)
             if holding is None:
                 holding = live[key] = _Holding()
@@ -159,8 +157,9 @@ class Recorder:
                 holding.table = table.copy()
         # Allocations live at the previous step and not now have ended: their tables
         # uncount, and their slots settle (in the order they started).
-        ended = [key for key in live if key not in current] if len(live) > len(current) else ()
-        if ended:
+        if len(live) > len(stats.running):  # some ended (every running one is live)
+            current = {(seq, seq.preemptions) for seq in stats.running}
+            ended = [key for key in live if key not in current]
             columns = self._columns
             for key in ended:
                 holding = live.pop(key)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from allocators.base import AllocatorStats
+from allocators.tiers import TierMove
 from schedulers.request import Request
 
 
@@ -74,12 +75,14 @@ class SwapIn:
 class SchedulerOutput:
     """One step's decision.
 
-    The engine applies ``swapped_out`` first (read), then ``copies``, then ``swapped_in``
-    (write), then the forward over ``scheduled`` (a sequence swapped in runs from the next
-    step). ``rejected`` sequences can never run and hold nothing. ``hold_until`` is set when
-    nothing runs on purpose (a batch of ``min_batch_size`` is forming): nothing changes
-    before that time unless a request arrives. ``draft_copies``: block copies in the draft
-    model's arena (speculative decoding), applied before the draft proposes.
+    The engine applies ``swapped_out`` first (read), then ``tier_moves`` in order (the
+    prefix cache's writes to and loads from lower tiers, ``allocators.tiers``), then
+    ``copies``, then ``swapped_in`` (write), then the forward over ``scheduled`` (a sequence
+    swapped in runs from the next step). ``rejected`` sequences can never run and hold
+    nothing. ``hold_until`` is set when nothing runs on purpose (a batch of
+    ``min_batch_size`` is forming): nothing changes before that time unless a request
+    arrives. ``draft_copies``: block copies in the draft model's arena (speculative
+    decoding), applied before the draft proposes.
     """
 
     scheduled: list[Scheduled] = field(default_factory=list)
@@ -90,6 +93,7 @@ class SchedulerOutput:
     swapped_in: list[SwapIn] = field(default_factory=list)
     hold_until: float | None = None
     draft_copies: list[tuple[int, int]] = field(default_factory=list)
+    tier_moves: list[TierMove] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -9,6 +9,7 @@ always read before a later move or the step's forward reuses it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 Tier = Literal["device", "host", "disk"]
@@ -27,3 +28,34 @@ class TierMove(NamedTuple):
     src: int
     dst_tier: Tier
     dst: int
+
+
+WritePolicy = Literal["write_back", "write_through"]
+
+
+@dataclass(frozen=True)
+class KVTier:
+    """The ``kv_tier`` config group: the lower tiers under the prefix cache.
+
+    ``host_blocks`` blocks in host memory (0: no tier below the arena), then ``disk_blocks``
+    on disk in ``dir`` (a folder the run owns, removed at its end unless ``keep``).
+    ``write_policy``: ``write_back`` writes a block down when the arena evicts it;
+    ``write_through`` when it is committed, so eviction is free. Each tier evicts by
+    ``eviction`` (the radix allocator's policies). ``prefetch``: a load the scheduler issues
+    a step ahead overlaps the previous step's compute (the model clock's assumption, as
+    SGLang HiCache's prefetch). ``min_load_ratio``: load lower-tier blocks only when
+    recomputing their tokens costs at least this many times the load; otherwise recompute.
+    """
+
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    dir: str | None = None
+    keep: bool = False
+    write_policy: WritePolicy = "write_back"
+    eviction: str = "lru"
+    prefetch: bool = True
+    min_load_ratio: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_blocks > 0 or self.disk_blocks > 0

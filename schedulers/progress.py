@@ -79,9 +79,9 @@ class Progress:
     @staticmethod
     def admit(seq: Request) -> None:
         """``seq`` runs: a waiting sequence's tokens are its prompt, shared with whoever
-        sent it (a tuple: a saturated queue of long prompts holds one copy of each, not
-        two); running, it gets a list of its own to grow."""
-        if type(seq.token_ids) is tuple:
+        sent it (a tuple, or a trace's compact array: a saturated queue of long prompts
+        holds one copy of each, not two); running, it gets a list of its own to grow."""
+        if type(seq.token_ids) is not list:
             seq.token_ids = list(seq.token_ids)
 
     def append(self, seq: Request, tokens: Sequence[int], now: float) -> Stop | None:

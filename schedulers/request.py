@@ -12,7 +12,7 @@ preemption, each step's progress), ``num_cached_tokens``, ``num_forked_tokens`` 
 from __future__ import annotations
 
 import enum
-from collections.abc import MutableSequence
+from collections.abc import MutableSequence, Sequence
 from typing import Protocol
 
 
@@ -38,9 +38,10 @@ class Request(Protocol):
     """A request as a policy sees it."""
 
     request_id: str
-    # Prompt + output so far (prefix-cache matching reads it): a tuple (the prompt, shared
-    # with its sender) until first admitted (``Progress.admit``), then a list that grows.
-    token_ids: list[int] | tuple[int, ...]
+    # Prompt + output so far (prefix-cache matching reads it): the prompt as its sender gave
+    # it (a tuple, or a trace's compact array of ids, shared) until first admitted
+    # (``Progress.admit``), then a list that grows.
+    token_ids: list[int] | Sequence[int]
     num_prompt_tokens: int
     params: RequestParams
     priority: int

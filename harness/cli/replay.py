@@ -158,7 +158,7 @@ def replay(
                 sent.answers[out.request_id] = answer
                 for turn in turns:
                     t = out.finished_time - origin + turn.arrival_time
-                    grown = prompt + answer + turn.prompt_token_ids
+                    grown = (*prompt, *answer, *turn.prompt_token_ids)  # compacted by replace
                     sent_turn = replace(turn, arrival_time=t, prompt_token_ids=grown)
                     heapq.heappush(due, (t, next(order), sent_turn))
             if done:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,9 +41,13 @@ def cut(num_prompt_tokens: int, max_tokens: int, max_seq_len: int) -> bool:
     return num_prompt_tokens <= max_seq_len and max(1, max_seq_len - num_prompt_tokens) < max_tokens
 
 
-def tokenize(model: LoadedModel, request_id: str, prompt: str | Sequence[int]) -> tuple[int, ...]:
-    """The prompt's token ids: text through the model's tokenizer, or ids checked against
-    its vocabulary."""
+_INT_TYPECODES = frozenset("bBhHiIlLqQ")
+
+
+def tokenize(model: LoadedModel, request_id: str, prompt: str | Sequence[int]) -> Sequence[int]:
+    """The prompt's token ids, checked against the vocabulary: text through the model's
+    tokenizer, a tuple or a trace's compact ``array`` of ids as given (no copy of a long
+    prompt a saturated queue holds), any other sequence as a tuple of Python ints."""
     if isinstance(prompt, str):
         if model.tokenizer is None:
             raise RequestError(
@@ -51,8 +56,9 @@ def tokenize(model: LoadedModel, request_id: str, prompt: str | Sequence[int]) -
             )
         tokens = tuple(model.tokenizer.encode(prompt))
     else:
-        tokens = tuple(prompt)  # a tuple's own object: no copy of a long prompt
-        if not set(map(type, tokens)) <= {int}:  # numpy ints, say: Python ints, checked
+        compact = isinstance(prompt, array) and prompt.typecode in _INT_TYPECODES
+        tokens = prompt if compact else tuple(prompt)  # a tuple's own object: no copy
+        if not compact and not set(map(type, tokens)) <= {int}:  # numpy ints, say
             tokens = tuple(int(t) for t in tokens)
     if not tokens:
         raise RequestError(f"request {request_id!r}: the prompt is empty; give >= 1 token")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +30,7 @@ class Seq:
     """
 
     request_id: str
-    token_ids: list[int]
+    token_ids: list[int] | Sequence[int]  # the prompt as given until admitted
     params: SamplingParams
     arrival_time: float
     priority: int = 0
@@ -58,18 +59,19 @@ class Seq:
     cumulative_logprob: float = 0.0  # output logprobs summed (params.logprobs); a beam's
     index: int = 0  # which of the request's SamplingParams.n completions this is
     group_id: str = ""  # the caller's request id (``request_id`` is unique per completion)
-    prompt_token_ids: tuple[int, ...] = field(init=False, default=())
+    prompt_token_ids: Sequence[int] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
         self.group_id = self.group_id or self.request_id
         # Every step's RequestOutput shares this instead of slicing the prompt again; a
-        # waiting request's tokens are its prompt (a tuple): then the same object.
+        # waiting request's tokens are its prompt (a tuple, or a trace's compact array):
+        # then the same object.
         tokens = self.token_ids
         self.prompt_token_ids = (
             tokens
-            if type(tokens) is tuple and len(tokens) == self.num_prompt_tokens
+            if type(tokens) is not list and len(tokens) == self.num_prompt_tokens
             else tuple(tokens[: self.num_prompt_tokens])
         )
         if self.params.prompt_logprobs is not None:
@@ -119,7 +121,7 @@ class RequestOutput:
     complete in every output that carries a token (prefill ends before the first is sampled)."""
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]  # a tuple, or the trace's compact array of ids
     outputs: list[CompletionOutput]
     finished: bool
     abort_reason: str | None = None

@@ -16,6 +16,7 @@ template's own default applies (SmolLM2: a one-line system prompt).
 from __future__ import annotations
 
 import json
+from array import array
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 
 from harness.workload.distributions import ArrivalProcess
 from harness.workload.generators import check_count, describe_component, make_trace
-from harness.workload.traces import Trace, TraceRequest
+from harness.workload.traces import Trace, TraceRequest, token_array
 
 PROMPTS_FILE = Path(__file__).parent / "data" / "chat_prompts.json"
 _MARK = "\x00answer\x00"  # stands for an answer not yet known when templating a follow-up
@@ -117,16 +118,16 @@ def chat(
 _EOS = {"ignore_eos": False}  # the model's own EOS ends each answer
 
 
-def _encode(tok, messages: list[dict[str, str]]) -> tuple[int, ...]:
+def _encode(tok, messages: list[dict[str, str]]) -> array:
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tuple(tok.encode(text, add_special_tokens=False))
+    return token_array(tok.encode(text, add_special_tokens=False))
 
 
-def _follow_up(tok, messages: list[dict[str, str]], question: str) -> tuple[int, ...]:
+def _follow_up(tok, messages: list[dict[str, str]], question: str) -> array:
     """The tokens between an answer and the model's next one: the template's text after the
     answer and its end-of-turn token (the EOS the model emits, part of its answer), the new
     user turn, then the generation prompt."""
     turn = [{"role": "assistant", "content": _MARK}, {"role": "user", "content": question}]
     text = tok.apply_chat_template(messages + turn, add_generation_prompt=True, tokenize=False)
     rest = text.rsplit(_MARK, 1)[1].removeprefix(tok.eos_token)
-    return tuple(tok.encode(rest, add_special_tokens=False))
+    return token_array(tok.encode(rest, add_special_tokens=False))

@@ -7,7 +7,7 @@ arguments give the same trace. Token ids are uniform on ``[1, vocab_size)``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -15,20 +15,12 @@ import numpy as np
 
 from harness.workload.distributions import ArrivalProcess, LengthDist
 from harness.workload.public import Record, hashed_trace
-from harness.workload.traces import Trace, TraceRequest, max_prefix_hit_rate, token_tuples
+from harness.workload.traces import Trace, TraceRequest, max_prefix_hit_rate, random_prompts
 
 
 def describe_component(component: Any) -> Any:
     """A distribution or arrival process (a dataclass) as trace metadata: its type and fields."""
     return {"type": type(component).__name__, **asdict(component)}
-
-
-def _random_prompts(
-    rng: np.random.Generator, lengths: Iterable[int], vocab_size: int
-) -> list[tuple[int, ...]]:
-    lengths = [int(n) for n in lengths]
-    # Token 0 is left out: many tokenizers reserve it for padding/BOS.
-    return token_tuples(rng.integers(1, vocab_size, sum(lengths)), lengths, vocab_size)
 
 
 def make_trace(
@@ -93,7 +85,7 @@ def synthetic(
     weights = np.array([w for _, w in classes])
     drawn = rng.choice(len(classes), num_requests, p=weights / weights.sum())
     slo_of = {int(p): (v.get("ttft"), v.get("tpot")) for p, v in (slos or {}).items()}
-    prompts = _random_prompts(rng, plens, vocab_size)
+    prompts = random_prompts(rng, plens, vocab_size)
     requests = []
     for i in range(num_requests):
         prio = classes[drawn[i]][0]
@@ -137,8 +129,8 @@ def shared_prefix(
     times = arrival.sample(n, rng)
     order = rng.permutation(n)
     ulens, olens = user_prompt_len.sample(n, rng), output_len.sample(n, rng)
-    systems = _random_prompts(rng, [system_prompt_len] * num_system_prompts, vocab_size)
-    users = _random_prompts(rng, ulens, vocab_size)
+    systems = random_prompts(rng, [system_prompt_len] * num_system_prompts, vocab_size)
+    users = random_prompts(rng, ulens, vocab_size)
     requests = []
     for i, k in enumerate(order):
         sys_id, user = divmod(int(k), users_per_prompt)
@@ -188,15 +180,15 @@ def multi_turn(
     n = num_conversations * turns
     ulens, olens = user_prompt_len.sample(n, rng), output_len.sample(n, rng)
     thinks = rng.exponential(think_time, n) if think_time > 0 else np.zeros(n)
-    users = _random_prompts(rng, ulens, vocab_size)
-    answers = _random_prompts(rng, olens, vocab_size)
+    users = random_prompts(rng, ulens, vocab_size)
+    answers = random_prompts(rng, olens, vocab_size)
     requests = []
     for c in range(num_conversations):
-        prompt: tuple[int, ...] = ()
+        prompt = users[c * turns][:0]
         t = float(starts[c])
         for k in range(turns):
             i = c * turns + k
-            prompt = prompt + (answers[i - 1] if k else ()) + users[i]
+            prompt = prompt + (answers[i - 1] if k else prompt[:0]) + users[i]
             requests.append(TraceRequest(f"conv{c}-turn{k}", t, prompt, int(olens[i])))
             t += float(thinks[i])
     params = {

@@ -38,6 +38,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -52,7 +53,8 @@ from harness.workload.traces import (
     TraceError,
     TraceRequest,
     max_prefix_hit_rate,
-    token_tuples,
+    random_prompts,
+    token_arrays,
 )
 
 
@@ -233,8 +235,7 @@ def _random_trace(
     """Seeded random prompts of the records' (clipped) lengths."""
     rng = np.random.default_rng(seed)
     clipped = [clip(r.prompt_len, r.output_len, max_len) for r in records]
-    flat = rng.integers(1, vocab_size, sum(p for p, _ in clipped))
-    prompts = token_tuples(flat, [p for p, _ in clipped], vocab_size)
+    prompts = random_prompts(rng, [p for p, _ in clipped], vocab_size)
     requests = [
         TraceRequest(f"{name}-{i}", r.arrival, prompt, o)
         for i, (r, prompt, (_, o)) in enumerate(zip(records, prompts, clipped, strict=True))
@@ -256,14 +257,15 @@ def hashed_trace(
     clipped = [clip(r.prompt_len, r.output_len, max_len) for r in records]
     used = [r.hash_ids[: -(-p // hash_block)] for r, (p, _) in zip(records, clipped, strict=True)]
     unique = np.unique(np.fromiter(chain.from_iterable(used), dtype=np.int64))
-    blocks: dict[int, tuple[int, ...]] = {}
+    blocks: dict[int, array] = {}
     for part in np.array_split(unique, max(1, len(unique) // 4096)):  # bounded temporaries
         rows = block_tokens(seed, part, hash_block, vocab_size).reshape(-1)
-        tokens = token_tuples(rows, [hash_block] * len(part), vocab_size)
+        tokens = token_arrays(rows, [hash_block] * len(part), vocab_size)
         blocks.update(zip(part.tolist(), tokens, strict=True))
     requests = []
     for i, (r, ids, (p, o)) in enumerate(zip(records, used, clipped, strict=True)):
-        prompt = tuple(chain.from_iterable(map(blocks.__getitem__, ids)))[:p]
+        prompt = array(blocks[ids[0]].typecode, b"".join(blocks[h].tobytes() for h in ids))
+        del prompt[p:]  # one copy, joined in C
         requests.append(TraceRequest(f"{name}-{i}", r.arrival, prompt, o))
     return _finish(name, requests, params, records, clipped, max_len, vocab_size)
 

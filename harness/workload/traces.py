@@ -8,16 +8,17 @@ matches real tokens. Generators live in ``harness.workload.generators``; files a
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -43,13 +44,17 @@ class TraceRequest:
 
     request_id: str
     arrival_time: float
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: array  # token_array: a compact sequence of ints
     max_tokens: int
     priority: int = 0
     ttft_slo: float | None = None
     tpot_slo: float | None = None
     ignore_eos: bool = True
     after: str | None = None
+
+    def __post_init__(self) -> None:
+        # however it was built (a tuple, a list, a file's ids), held as a compact array
+        object.__setattr__(self, "prompt_token_ids", token_array(self.prompt_token_ids))
 
 
 @dataclass(frozen=True)
@@ -67,22 +72,57 @@ class Trace:
         return iter(self.requests)
 
 
-def token_tuples(flat, lengths: Iterable[int], vocab_size: int) -> list[tuple[int, ...]]:
-    """Prompts cut from ``flat`` (a numpy array of token ids) at ``lengths``, every id one
-    int object shared by all of them: 8 bytes a token instead of 40, which is most of a
-    100k-request replay's memory (~10^8 prompt tokens). A vocabulary larger than ``flat``
-    shares nothing (its table would outweigh the tokens)."""
-    share = _shared_ints(vocab_size).__getitem__ if vocab_size <= len(flat) else int
+def token_array(ids: Iterable[int]) -> array:
+    """Token ids stored compactly: 2 bytes an id when every id is below 65,536 (most
+    synthetic vocabularies), else 4 (int32, as the radix cache keys them). A 100k-request
+    trace holds ~10^8 prompt tokens: 0.2 GB so, where a tuple of shared ints took 0.8 GB
+    (8 bytes a pointer) and one of fresh ints 3.6 GB. A sequence of Python ints, sliced and
+    compared in C; convert with ``list``/``tuple`` where a list or tuple is wanted."""
+    ids = ids if isinstance(ids, array) else array("i", ids)
+    if ids.typecode == _NARROW or (ids and (min(ids) < 0 or max(ids) >= 1 << 16)):
+        return ids
+    return array(_NARROW, ids)
+
+
+def token_arrays(flat: np.ndarray, lengths: Iterable[int], vocab_size: int) -> list[array]:
+    """Prompts cut from ``flat`` (a numpy array of ids in ``[0, vocab_size)``) at
+    ``lengths``, each a ``token_array`` of the width the vocabulary needs (so that prompts of
+    one vocabulary concatenate); one conversion of ``flat``."""
+    typecode = _typecode(vocab_size)
+    data = flat.astype(np.uint16 if typecode == _NARROW else np.int32)
     out, at = [], 0
     for n in lengths:
-        out.append(tuple(map(share, flat[at : at + n].tolist())))
+        prompt = array(typecode)
+        prompt.frombytes(data[at : at + n].tobytes())
+        out.append(prompt)
         at += n
     return out
 
 
-@functools.lru_cache(maxsize=4)
-def _shared_ints(vocab_size: int) -> tuple[int, ...]:
-    return tuple(range(vocab_size))
+def random_prompts(
+    rng: np.random.Generator, lengths: Iterable[int], vocab_size: int
+) -> list[array]:
+    """Prompts of uniform random ids in ``[1, vocab_size)`` (id 0 left out: many tokenizers
+    reserve it for padding/BOS), the ids ``rng.integers(1, vocab_size, sum(lengths))`` would
+    give cut at ``lengths``, drawn a few million at a time (numpy's stream does not depend on
+    how a draw is split), so no 8-byte copy of a whole trace's tokens is ever held."""
+    out: list[array] = []
+    batch: list[int] = []
+    for n in [*map(int, lengths), None]:
+        if batch and (n is None or sum(batch) + n > _DRAW):
+            out += token_arrays(rng.integers(1, vocab_size, sum(batch)), batch, vocab_size)
+            batch = []
+        if n is not None:
+            batch.append(n)
+    return out
+
+
+def _typecode(vocab_size: int) -> str:
+    return _NARROW if vocab_size <= 1 << 16 else "i"
+
+
+_DRAW = 1 << 22  # token ids a draw (32 MiB as int64)
+_NARROW = "H"  # unsigned 16-bit
 
 
 def max_prefix_hit_rate(
@@ -112,7 +152,7 @@ def max_prefix_hit_rate(
     seqs = {2 * i: r.prompt_token_ids for i, r in enumerate(reqs)}
     for i, r in enumerate(reqs):
         if answers.get(r.request_id):
-            seqs[2 * i + 1] = r.prompt_token_ids + answers[r.request_id]
+            seqs[2 * i + 1] = token_array([*r.prompt_token_ids, *answers[r.request_id]])
     order = sorted(seqs, key=seqs.__getitem__)  # stable: ties by arrival
     before = _nearest_earlier(order)
     after = _nearest_earlier(order[::-1])[::-1]
@@ -142,7 +182,7 @@ def _nearest_earlier(order: list[int]) -> list[int | None]:
     return out
 
 
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """The length of the longest common prefix of ``a`` and ``b``: slices compared in C,
     each step past the common part so far, doubling while they match and halving when not
     (most prompts differ at once, shared ones for hundreds of tokens)."""
@@ -208,8 +248,8 @@ def _parse(obj: Any, where: str) -> TraceRequest:
     if not ids:
         raise fail("prompt_token_ids", "is empty; a request needs at least one prompt token")
     for j, tok in enumerate(ids):
-        if not _is_int(tok) or tok < 0:
-            raise fail(f"prompt_token_ids[{j}]", f"is {tok!r}; token ids are integers >= 0")
+        if not _is_int(tok) or not 0 <= tok < 1 << 31:
+            raise fail(f"prompt_token_ids[{j}]", f"is {tok!r}; token ids are integers in [0, 2^31)")
     if not _is_int(obj["max_tokens"]) or obj["max_tokens"] < 1:
         raise fail("max_tokens", f"is {obj['max_tokens']!r}; it must be an integer >= 1")
     priority = obj.get("priority")
@@ -228,7 +268,7 @@ def _parse(obj: Any, where: str) -> TraceRequest:
     return TraceRequest(
         obj["request_id"],
         float(arrival),
-        tuple(ids),
+        token_array(ids),
         obj["max_tokens"],
         priority or 0,
         obj.get("ttft_slo"),
@@ -341,7 +381,8 @@ def save(trace: Trace, path: str | os.PathLike) -> None:
     """Write ``trace`` atomically as ``.jsonl`` (a ``{"metadata": ...}`` header line, then one
     request per line) or ``.parquet`` (metadata as JSON in the schema metadata)."""
     path = Path(path)
-    records = [asdict(r) for r in trace.requests]  # tuples of ids become JSON/arrow lists
+    # arrays of ids become JSON/arrow lists
+    records = [asdict(r) | {"prompt_token_ids": list(r.prompt_token_ids)} for r in trace.requests]
     if path.suffix == ".jsonl":
         lines = [json.dumps({"metadata": trace.metadata})] + [json.dumps(r) for r in records]
         _atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))

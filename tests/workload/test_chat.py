@@ -70,8 +70,8 @@ def test_the_replay_grows_a_follow_up_by_the_answer_and_sends_it_after_a_think_t
     sent = replay(engine, Trace((first, turn, second)), progress=False)
     rows = {r["request_id"]: r for r in engine.recorder.requests}
     a, a1, a2 = sent.requests
-    assert a1.prompt_token_ids == (5, 6, 7) + sent.answers["a"] + (8, 9)
-    assert a2.prompt_token_ids == a1.prompt_token_ids + sent.answers["a-1"] + (10,)
+    assert tuple(a1.prompt_token_ids) == (5, 6, 7) + sent.answers["a"] + (8, 9)
+    assert tuple(a2.prompt_token_ids) == (*a1.prompt_token_ids, *sent.answers["a-1"], 10)
     assert len(sent.answers["a"]) == 4 and len(sent.answers["a-1"]) == 3
     assert rows["a-1"]["arrival_time"] == pytest.approx(rows["a"]["finish_time"] + 0.25)
     assert rows["a-2"]["arrival_time"] == pytest.approx(rows["a-1"]["finish_time"] + 0.5)

@@ -234,7 +234,7 @@ def test_mooncake_like_is_seeded_sorted_and_shares_system_prompts_and_history():
     assert generate(seed=1).requests != trace.requests
     arrivals = [r.arrival_time for r in trace]
     assert arrivals == sorted(arrivals)
-    systems = {r.prompt_token_ids[:64] for r in trace}
+    systems = {tuple(r.prompt_token_ids[:64]) for r in trace}
     assert len(systems) <= 8
     prompts = [r.prompt_token_ids for r in trace]
     extended = sum(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 
 import numpy as np
 import pandas as pd
@@ -32,7 +33,8 @@ from harness.workload.traces import (
     load,
     max_prefix_hit_rate,
     save,
-    token_tuples,
+    token_array,
+    token_arrays,
 )
 
 
@@ -178,7 +180,7 @@ def test_shared_prefix_hit_rate_matches_hand_computation():
     assert max_prefix_hit_rate(trace.requests, block_size=3) == pytest.approx(24 / 60)
     by_sys: dict[str, set] = {}
     for r in trace:
-        by_sys.setdefault(r.request_id.split("-")[0], set()).add(r.prompt_token_ids[:8])
+        by_sys.setdefault(r.request_id.split("-")[0], set()).add(tuple(r.prompt_token_ids[:8]))
     assert len(by_sys) == 2 and all(len(v) == 1 for v in by_sys.values())
 
 
@@ -296,10 +298,13 @@ def test_the_bound_counts_an_earlier_turns_answer_by_hand():
     assert max_prefix_hit_rate([b, a], answers={"a": (5, 6)}) == pytest.approx(3 / 12)
 
 
-def test_prompts_share_one_int_object_per_token_id():
-    flat = np.array([700, 900, 700, 5, 900, 700] * 200)  # more tokens than the vocabulary
-    a, b = token_tuples(flat, [2, 1198], vocab_size=1000)
-    assert a == (700, 900) and b == (700, 5, 900, 700, *flat[6:].tolist())
-    assert a[0] is b[0] is b[3] and a[1] is b[2]  # 8 bytes a token, not an int each
-    wide = token_tuples(flat[:6], [6], vocab_size=10**9)  # no table larger than the tokens
-    assert wide == [(700, 900, 700, 5, 900, 700)]
+def test_prompts_are_compact_arrays_of_the_vocabularys_width():
+    flat = np.array([700, 900, 700, 5, 900, 700] * 200)
+    a, b = token_arrays(flat, [2, 1198], vocab_size=1000)
+    assert list(a) == [700, 900] and list(b) == [700, 5, 900, 700, *flat[6:].tolist()]
+    assert a.itemsize == 2 and len(b) * 2 == len(b.tobytes())  # 2 bytes a token id
+    assert a + b[:2] == array("H", [700, 900, 700, 5])  # one vocabulary: they concatenate
+    (wide,) = token_arrays(np.array([70_000, 5]), [2], vocab_size=100_000)
+    assert wide.itemsize == 4 and list(wide) == [70_000, 5]
+    assert token_array([1, 2]).itemsize == 2 and token_array([1, 1 << 20]).itemsize == 4
+    assert token_array(a) is a  # already compact: not copied

@@ -63,6 +63,8 @@ STEP_SCHEMA: dict[str, str] = {
     "kv_slots_read": "int",  # KV slots gathered per layer and KV head, padding included
     "kv_slots_attended": "int",  # the rows' contexts, no padding
     "attention_pairs": "int",  # query-key pairs scored per layer and KV head, padding included
+    "window_kv_slots_read": "int",  # the same per sliding-window layer: ring slots gathered
+    "window_attention_pairs": "int",  # and pairs scored over them and the new keys (else 0)
     "logit_rows": "int",  # positions the LM head ran on
     "single_token_rows": "int",  # rows feeding one token (decodes)
     "draft_block_copies": "int",  # block copies in the draft model's arena

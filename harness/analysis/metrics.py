@@ -56,6 +56,7 @@ STEP_SCHEMA: dict[str, str] = {
     "preempted": "int",
     "swap_out_blocks": "int",
     "swap_in_blocks": "int",
+    "window_swap_blocks": "int",  # sliding-window ring blocks swapped out and in, else 0
     "swap_time": "float",  # host copies of swapped KV, synchronised
     "block_copies": "int",  # (src, dst) block copies of the step's plan
     "row_groups": "int",  # padded batches of the forward (costmodel.work.StepWork)

@@ -55,7 +55,7 @@ INTERCEPT = "step"
 # operator may be priced by: the step's features, the padded batches that run the LM head
 # (a batch of prefill chunks that want no logits skips it), a mixture of experts' experts
 # whose weights the padded batches read (``RooflineProfile.times``), and the sliding-window
-# layers' reads and pairs (work.WINDOW).
+# layers' reads, pairs and ring swaps (work.WINDOW).
 RESOURCES = ("compute", "memory", "host_link")
 COUNTS = (*PRICED, "logit_groups", "experts_read", *WINDOW)
 
@@ -167,6 +167,7 @@ class RooflineProfile:
         counts["experts_read"] = 0.0
         counts["window_kv_slots_read"] = work.window_kv_slots_read
         counts["window_attention_pairs"] = work.window_attention_pairs
+        counts["window_swap_blocks"] = work.window_swap_blocks
         if self._experts is not None and work.row_groups:
             experts, k = self._experts
             tokens = work.query_tokens_padded / work.row_groups

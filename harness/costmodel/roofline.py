@@ -39,7 +39,9 @@ step:
     elementwise    norms, residual adds, the gated activation, RoPE and the embedding
                    gather: bytes per query token; their few FLOPs per byte never bind
     block copies   a block read and written (2 x block bytes) at memory bandwidth
-    swaps          a block over the host link (PCIe one way, or a copy in unified memory)
+    swaps          a block over the host link (PCIe one way, or a copy in unified memory);
+                   a sliding-window ring's blocks alike (``window_swaps``), each holding
+                   the window layers' K and V
     draft          with a draft model: its weights once per ``draft_rounds``, 2 x its
                    parameters FLOPs per ``draft_tokens``; its attention is left out
     overhead       the device file's ``step_overhead`` + ``row_overhead`` x rows: 0 unless
@@ -295,6 +297,9 @@ def _operators(shape: dict[str, Any], b: int, kv_row: int, block_size: int) -> d
     block = block_size * 2 * kv_heads * kv_row * full  # K and V of one block, every full layer
     operators["block_copies"] = {"memory": {"block_copies": 2 * block}}
     operators["swaps"] = {"host_link": {"swap_blocks": block}}
+    if full < layers:  # a ring block: K and V of every window layer, never quantized
+        ring = block_size * 2 * kv_heads * stored_bytes(d, b, 16, 64) * (layers - full)
+        operators["window_swaps"] = {"host_link": {"window_swap_blocks": ring}}
     return operators
 
 

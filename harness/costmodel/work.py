@@ -12,6 +12,8 @@ ones per sliding-window layer and KV head:
     batch_size           sequences run, each a row of a padded batch
     swap_out_blocks      blocks moved from the arena to host memory
     swap_in_blocks       blocks moved back into the arena
+    window_swap_blocks   sliding-window ring blocks moved to host memory and back: a swapped
+                         sequence's ring goes with its blocks, whole (0 without window layers)
     block_copies         blocks copied in the arena (copy-on-write, relocation, forks)
     row_groups           padded batches (harness/engine/model_runner.py ``group_rows``): each
                          is a pass over the weights
@@ -74,6 +76,7 @@ class StepWork:
     batch_size: int = 0
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0
+    window_swap_blocks: int = 0
     block_copies: int = 0
     row_groups: int = 0
     query_tokens_padded: int = 0
@@ -125,9 +128,10 @@ class StepWork:
 
 # The steps-table columns a StepWork holds, in field order.
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(StepWork))
-# The sliding-window layers' counts: priced by a roofline (its ``window_attention``
-# operator), not among ``PRICED``: a measured profile's fit has no term for them.
-WINDOW: tuple[str, ...] = ("window_kv_slots_read", "window_attention_pairs")
+# The sliding-window layers' counts: priced by a roofline (its ``window_attention`` and
+# ``window_swaps`` operators), not among ``PRICED``: a measured profile's fit has no term
+# for them.
+WINDOW: tuple[str, ...] = ("window_kv_slots_read", "window_attention_pairs", "window_swap_blocks")
 
 
 def window_blocks_read(start: int, window: int, block_size: int) -> int:

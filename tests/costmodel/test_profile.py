@@ -186,6 +186,7 @@ def test_a_steps_table_row_gives_the_counts_it_recorded():
         "kv_slots_attended": 40,
         "window_kv_slots_read": 24,
         "window_attention_pairs": 30,
+        "window_swap_blocks": 6,
         "duration": 0.5,  # not work: left out
     }
     work = StepWork.from_row(row)
@@ -194,4 +195,5 @@ def test_a_steps_table_row_gives_the_counts_it_recorded():
     # A row recorded before the window columns existed: no window work.
     older = StepWork.from_row({k: v for k, v in row.items() if not k.startswith("window_")})
     assert (older.window_kv_slots_read, older.window_attention_pairs) == (0, 0)
+    assert older.window_swap_blocks == 0
     assert older.vector() == work.vector()  # not among the priced counts

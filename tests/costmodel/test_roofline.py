@@ -387,3 +387,13 @@ def test_a_shape_without_window_layers_derives_as_before_the_window_counts():
         "compute": {"attention_pairs": 32 * 3},
         "memory": {"kv_slots_read": 16 * 3, "query_tokens_padded": 48 * 3},
     }
+
+
+def test_a_swapped_ring_is_priced_over_the_host_link():
+    """The toy's window layer (1 of 2): a ring block holds 16 tokens x K and V x 1 KV head x
+    4 values x 2 bytes = 256 bytes; 3 of them moved cost 768 bytes over the A100's PCIe.
+    The full layer's blocks are the ``swaps`` operator's, as before."""
+    shape = toy(num_layers=2, window_layers=[0], window=16)
+    bars = profile(shape).times(StepWork(swap_out_blocks=2, window_swap_blocks=3))
+    assert bars["window_swaps"] == pytest.approx({"host_link": 3 * 256 / A100_PCIE})
+    assert bars["swaps"] == pytest.approx({"host_link": 2 * 256 / A100_PCIE})

@@ -32,8 +32,9 @@ PROMPT_LENS = [3, 20, 45, 90, 33, 12]
 # What a step's row holds that the schedule alone decides (durations and MLX memory aside).
 SCHEDULE = (
     "batch_size", "prefill_tokens", "decode_tokens", "preempted", "swap_out_blocks",
-    "swap_in_blocks", "block_copies", "num_waiting", "num_running", "num_swapped",
-    "blocks_used", "blocks_free", "window_blocks_used", "row_groups", "query_tokens_padded",
+    "swap_in_blocks", "window_swap_blocks", "block_copies", "num_waiting", "num_running",
+    "num_swapped", "blocks_used", "blocks_free", "window_blocks_used", "row_groups",
+    "query_tokens_padded",
     "kv_slots_read", "kv_slots_attended", "attention_pairs", "window_kv_slots_read",
     "window_attention_pairs", "logit_rows", "single_token_rows",
 )  # fmt: skip
@@ -109,6 +110,9 @@ def test_the_model_clock_schedules_a_window_model_as_the_engine_does(gemma, roof
     if policy in ("swap", "recompute"):
         assert sum(r["preempted"] for r in rows) > 0
         assert (sum(r["swap_out_blocks"] for r in rows) > 0) == (policy == "swap")
+        # each sequence swapped out takes its ring of 3 blocks to the host and back
+        swapped = 2 * RING * sum(r["preempted"] for r in rows) if policy == "swap" else 0
+        assert sum(r["window_swap_blocks"] for r in rows) == swapped
     assert modelled.window.allocator.stats().used_blocks == 0
     assert modelled.scheduler.rings.allocator.stats().used_blocks == 0
 

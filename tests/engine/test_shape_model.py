@@ -115,8 +115,9 @@ GEMMA3_1B = SHAPES_DIR / "gemma-3-1b.json"
 
 def test_gemma_3s_shape_runs_its_window_layers_on_the_model_clock(tmp_path):
     """Gemma 3 1B: 26 layers, every sixth full (5, 11, 17, 23), the other 22 a 512-token
-    window; 999,885,952 parameters (the published count). Blocks of 16: a ring of
-    ceil(512 / 16) + 1 = 33 blocks per running sequence, 4 of them (max_num_seqs). A
+    window; 999,885,952 parameters (Hugging Face's safetensors total for gemma-3-1b-it).
+    Blocks of 16: a ring of ceil(512 / 16) + 1 = 33 blocks per running sequence, 4 of them
+    (max_num_seqs). A
     600-token prompt and 40 tokens: its 39 decodes, at positions 600 to 638, read the 32 or 33
     ring blocks holding the 511 positions before the new one in a window layer (at 600:
     positions 89..599, blocks 5..37), never the context's ceil(601 / 16) = 38 to

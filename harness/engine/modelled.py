@@ -62,11 +62,14 @@ def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True
     ran) and the plan's block moves (a window model's rings too) and draft work (none
     without a ``draft_model``: n-gram lookup)."""
     drafts = [s for s in plan.scheduled if s.num_draft_tokens] if draft_model else []
+    moved = plan.swapped_out or plan.swapped_in  # most steps move nothing: no pass then
     return StepWork(
         batch_size=forward.batch_size,
         swap_out_blocks=sum(len(s.blocks) for s in plan.swapped_out),
         swap_in_blocks=sum(len(s.blocks) for s in plan.swapped_in),
-        window_swap_blocks=sum(len(s.ring) for s in (*plan.swapped_out, *plan.swapped_in)),
+        window_swap_blocks=sum([len(s.ring) for s in (*plan.swapped_out, *plan.swapped_in)])
+        if moved
+        else 0,
         block_copies=len(plan.copies),
         row_groups=forward.row_groups,
         query_tokens_padded=forward.query_tokens_padded,

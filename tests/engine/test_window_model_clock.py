@@ -1,8 +1,9 @@
 """A model with sliding-window layers on the model clock: the engine's own schedule, rings
 included, priced with the window layers' attention over their rings, not the context.
 
-The tiny Gemma 3 text model (4 layers: 0, 1 and 3 a window of 16 tokens, 2 full attention),
-blocks of 8: a ring holds k = ceil(16 / 8) + 1 = 3 blocks. Every request is queued before
+The tiny Gemma 3 text model (4 layers: 0, 1 and 3 a window of 16 tokens, 2 full attention)
+and a tiny Llama with Mistral-style windows (0 and 2), blocks of 8: a ring holds
+k = ceil(16 / 8) + 1 = 3 blocks. Every request is queued before
 the first step, so no schedule depends on a step's duration: the model clock (a roofline of
 the model's shape) and the virtual clock (the model run) must run the same rows, hold the
 same blocks and rings, and count the same work, step for step."""
@@ -40,15 +41,28 @@ SCHEDULE = (
 )  # fmt: skip
 
 
+# Gemma 3 (layers 0, 1, 3 windowed) and a Mistral-style Llama (0 and 2), as conf/model's
+# tiny_gemma3 and tiny_llama_swa.
+HYBRIDS = {
+    "gemma3": ("gemma3_text", {}),
+    "llama_swa": ("llama", {"layer_types": ["sliding_attention", "full_attention"] * 2}),
+}
+
+
+@pytest.fixture(scope="module", params=list(HYBRIDS))
+def hybrid(request):
+    arch, fields = HYBRIDS[request.param]
+    return random_model(arch, "tiny", seed=0, sliding_window=WINDOW, **fields)
+
+
 @pytest.fixture(scope="module")
 def gemma():
     return random_model("gemma3_text", "tiny", seed=0, sliding_window=WINDOW)
 
 
-@pytest.fixture(scope="module")
-def roofline(gemma, tmp_path_factory):
-    path = tmp_path_factory.mktemp("profile") / "m4-max.json"
-    save(derive(gemma.shape(), "m4-max", block_size=BLOCK_SIZE), path)
+def roofline_of(model, folder) -> str:
+    path = folder / "m4-max.json"
+    save(derive(model.shape(), "m4-max", block_size=BLOCK_SIZE), path)
     return str(path)
 
 
@@ -92,14 +106,14 @@ POLICIES = {
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_the_model_clock_schedules_a_window_model_as_the_engine_does(gemma, roofline, policy):
+def test_the_model_clock_schedules_a_window_model_as_the_engine_does(hybrid, tmp_path, policy):
     """Same rows, blocks, rings and work counts each step; the preempting policies run on 24
     blocks (two of the longest sequences at once), so rings are given back and taken again
     (by swap: their KV goes to the host and back on the real engine, nowhere on the model
     clock)."""
     blocks = 24 if policy in ("swap", "recompute") else 128
-    real = build(gemma, POLICIES[policy], "virtual", None, blocks)
-    modelled = build(gemma, POLICIES[policy], "model", roofline, blocks)
+    real = build(hybrid, POLICIES[policy], "virtual", None, blocks)
+    modelled = build(hybrid, POLICIES[policy], "model", roofline_of(hybrid, tmp_path), blocks)
     assert isinstance(real.window, WindowGroup)
     assert type(modelled.window) is WindowTables and modelled.arena is None
     ours, theirs = schedule(modelled), schedule(real)
@@ -117,7 +131,7 @@ def test_the_model_clock_schedules_a_window_model_as_the_engine_does(gemma, roof
     assert modelled.scheduler.rings.allocator.stats().used_blocks == 0
 
 
-def test_a_window_layers_reads_are_counted_by_hand(gemma, roofline):
+def test_a_window_layers_reads_are_counted_by_hand(gemma, tmp_path):
     """One 40-token prompt, 3 tokens, blocks of 8, window 16.
 
     Prefill from 0: a full layer reads ceil(40/8) = 5 blocks, 40 slots, and scores 40 x 40 =
@@ -128,7 +142,9 @@ def test_a_window_layers_reads_are_counted_by_hand(gemma, roofline):
     Decode at 41: full, 42 positions still 6 blocks: 48, 48; window, positions 26..40 in
     blocks 3..5: 24 slots, 25 pairs (the window straddles three blocks, as a ring of k = 3
     allows)."""
-    engine = build(gemma, partial(FCFSScheduler, max_num_seqs=4), "model", roofline)
+    engine = build(
+        gemma, partial(FCFSScheduler, max_num_seqs=4), "model", roofline_of(gemma, tmp_path)
+    )
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     engine.add_request("a", list(range(1, 41)), params, arrival_time=0.0)
     while engine.has_unfinished_requests():

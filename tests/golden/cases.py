@@ -17,8 +17,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 PROFILE = str(ROOT / "results/baselines/profile-llama-tiny.json")
-# tiny_gemma3's roofline on an M4 Max (harness/costmodel/roofline.py derive, block size 16),
-# kept here so that a device sheet's edit does not move the window model's golden.
+# tiny_gemma3's roofline on an M4 Max, kept here so that a device sheet's edit does not move
+# the window model's golden: save(derive(random_model("gemma3_text", "tiny", seed=0,
+# dtype="float32").shape(), "m4-max", block_size=16), path) (harness/costmodel/roofline.py).
 GEMMA3_PROFILE = str(HERE / "profile-tiny-gemma3-m4-max.json")
 
 MODEL = ("engine.clock=model", f"engine.profile={PROFILE}", "warmup=0", "progress=false")

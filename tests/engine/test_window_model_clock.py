@@ -18,8 +18,9 @@ from support import random_prompts
 from allocators.free_list import FreeListAllocator
 from harness.costmodel.profile import save
 from harness.costmodel.roofline import derive
-from harness.engine import build_engine
+from harness.engine import RequestError, build_engine
 from harness.engine.sampling_params import SamplingParams
+from harness.engine.speculative import Speculation
 from harness.engine.window import WindowGroup, WindowTables
 from harness.platform.models import random_model
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
@@ -163,3 +164,24 @@ def test_a_model_without_window_layers_counts_no_window_work(model, tmp_path):
     assert {
         s["window_kv_slots_read"] + s["window_attention_pairs"] for s in engine.recorder.steps
     } == {0}
+
+
+def test_what_the_engine_refuses_for_a_window_model_the_model_clock_refuses(gemma, tmp_path):
+    """Speculative decoding, at build, in the real engine's words; KV files, per request, as
+    the model clock refuses them for any model (it holds no KV to save)."""
+    profile = roofline_of(gemma, tmp_path)
+    with pytest.raises(ValueError, match="sliding-window layers: speculative decoding is not"):
+        build_engine(
+            gemma,
+            FreeListAllocator,
+            FCFSScheduler,
+            num_blocks=64,
+            block_size=BLOCK_SIZE,
+            clock="model",
+            profile=profile,
+            speculative=Speculation(num_draft_tokens=2, draft=gemma),
+            acceptance=0.5,
+        )
+    engine = build(gemma, FCFSScheduler, "model", profile)
+    with pytest.raises(RequestError, match="save_kv needs a model's logits or KV"):
+        engine.add_request("a", [1, 2, 3], SamplingParams(), save_kv=tmp_path / "kv.safetensors")

@@ -151,3 +151,15 @@ def test_gemma_3s_shape_runs_its_window_layers_on_the_model_clock(tmp_path):
     assert {s["window_kv_slots_read"] // 16 for s in decodes} == {32, 33}
     assert {s["kv_slots_read"] // 16 for s in decodes} == {38, 39, 40}
     assert {s["window_blocks_used"] for s in engine.recorder.steps} == {33}
+    # A byte budget pays for the rings first: 4 rings x 33 blocks x 16 tokens x 22 window
+    # layers x 1,024 bytes a token (K and V, 1 KV head of 256 bf16 values) = 47,579,136;
+    # the rest buys full-attention blocks of 4 layers x 1,024 x 16 = 65,536 bytes: 15,658.
+    budget = build_engine(
+        model,
+        FreeListAllocator,
+        partial(FCFSScheduler, max_num_seqs=4),
+        kv_cache_bytes=2**30,
+        clock="model",
+        profile=str(profile),
+    )
+    assert budget.allocator.num_blocks == (2**30 - 47_579_136) // 65_536 == 15_658

@@ -56,6 +56,7 @@ STEP_SCHEMA: dict[str, str] = {
     "preempted": "int",
     "swap_out_blocks": "int",
     "swap_in_blocks": "int",
+    "window_swap_blocks": "int",  # sliding-window ring blocks swapped out and in, else 0
     "swap_time": "float",  # host copies of swapped KV, synchronised
     "block_copies": "int",  # (src, dst) block copies of the step's plan
     "row_groups": "int",  # padded batches of the forward (costmodel.work.StepWork)
@@ -63,6 +64,8 @@ STEP_SCHEMA: dict[str, str] = {
     "kv_slots_read": "int",  # KV slots gathered per layer and KV head, padding included
     "kv_slots_attended": "int",  # the rows' contexts, no padding
     "attention_pairs": "int",  # query-key pairs scored per layer and KV head, padding included
+    "window_kv_slots_read": "int",  # the same per sliding-window layer: ring slots gathered
+    "window_attention_pairs": "int",  # and pairs scored over them and the new keys (else 0)
     "logit_rows": "int",  # positions the LM head ran on
     "single_token_rows": "int",  # rows feeding one token (decodes)
     "draft_block_copies": "int",  # block copies in the draft model's arena

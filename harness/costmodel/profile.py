@@ -46,17 +46,18 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any, Protocol
 
-from harness.costmodel.work import KINDS, PRICED, StepWork
+from harness.costmodel.work import KINDS, PRICED, WINDOW, StepWork
 
 FORMAT, VERSION = "kvbench-profile", 1
 MOVES = ("block_copies", "swap_blocks")  # priced per block, whatever the step's kind
 INTERCEPT = "step"
 # A roofline profile's resources (FLOPs, bytes, bytes over the host link) and the counts an
 # operator may be priced by: the step's features, the padded batches that run the LM head
-# (a batch of prefill chunks that want no logits skips it), and a mixture of experts'
-# experts whose weights the padded batches read (``RooflineProfile.times``).
+# (a batch of prefill chunks that want no logits skips it), a mixture of experts' experts
+# whose weights the padded batches read (``RooflineProfile.times``), and the sliding-window
+# layers' reads, pairs and ring swaps (work.WINDOW).
 RESOURCES = ("compute", "memory", "host_link")
-COUNTS = (*PRICED, "logit_groups", "experts_read")
+COUNTS = (*PRICED, "logit_groups", "experts_read", *WINDOW)
 
 
 class ProfileError(ValueError):
@@ -164,6 +165,9 @@ class RooflineProfile:
         counts = dict(zip(PRICED, work.vector(), strict=True))
         counts["logit_groups"] = min(work.row_groups, work.logit_rows)
         counts["experts_read"] = 0.0
+        counts["window_kv_slots_read"] = work.window_kv_slots_read
+        counts["window_attention_pairs"] = work.window_attention_pairs
+        counts["window_swap_blocks"] = work.window_swap_blocks
         if self._experts is not None and work.row_groups:
             experts, k = self._experts
             tokens = work.query_tokens_padded / work.row_groups

@@ -31,12 +31,17 @@ step:
                    not), plus per query token Q read, the output written and the new K and V
                    written. A fused kernel (FlashAttention, MLX's
                    scaled_dot_product_attention) is assumed: scores never reach memory.
-                   Sliding-window layers are priced as full ones: exact while contexts fit
-                   the window, an upper bound past it.
+                   These are the full-attention layers'; a sliding-window layer's
+                   (``window_attention``) are the same per unit of its own counts,
+                   ``window_attention_pairs`` and ``window_kv_slots_read``
+                   (harness/costmodel/work.py): over the ring blocks that hold the window
+                   before the row's first query and the new keys, never the whole context.
     elementwise    norms, residual adds, the gated activation, RoPE and the embedding
                    gather: bytes per query token; their few FLOPs per byte never bind
     block copies   a block read and written (2 x block bytes) at memory bandwidth
-    swaps          a block over the host link (PCIe one way, or a copy in unified memory)
+    swaps          a block over the host link (PCIe one way, or a copy in unified memory);
+                   a sliding-window ring's blocks alike (``window_swaps``), each holding
+                   the window layers' K and V
     draft          with a draft model: its weights once per ``draft_rounds``, 2 x its
                    parameters FLOPs per ``draft_tokens``; its attention is left out
     overhead       the device file's ``step_overhead`` + ``row_overhead`` x rows: 0 unless
@@ -86,7 +91,7 @@ from harness.costmodel.shape import (
     sizes,
     weight_bytes,
 )
-from harness.costmodel.work import PRICED, StepWork
+from harness.costmodel.work import PRICED, StepWork, window_blocks_read
 from harness.platform.formats import BITS, stored_bytes
 
 DEVICES_FILE = Path(__file__).with_name("devices.yaml")
@@ -263,32 +268,47 @@ def _operators(shape: dict[str, Any], b: int, kv_row: int, block_size: int) -> d
         "compute": {"logit_rows": 2 * h * vocab},
         "memory": {"logit_groups": h * vocab * w, "logit_rows": (h + vocab) * b},
     }
-    # A sliding-window layer is priced as a full one: exact while every context fits in its
-    # window, an upper bound past it (the counts are per full-attention layer).
+    # The full-attention layers over the contexts (attention_pairs, kv_slots_read); the
+    # sliding-window layers over their rings and new keys (work.WINDOW), never the context.
+    full = layers - len(shape.get("window_layers") or ())
+    per_token = 2 * heads * d * b + 2 * kv_heads * kv_row  # Q, output; new K and V written
     operators["attention"] = {
-        "compute": {"attention_pairs": 4 * d * heads * layers},
+        "compute": {"attention_pairs": 4 * d * heads * full},
         "memory": {
-            "kv_slots_read": 2 * kv_heads * kv_row * layers,
-            # Q read and the output written; the new K and V written to the cache
-            "query_tokens_padded": (2 * heads * d * b + 2 * kv_heads * kv_row) * layers,
+            "kv_slots_read": 2 * kv_heads * kv_row * full,
+            "query_tokens_padded": per_token * full,
         },
     }
+    if full < layers:
+        windowed = layers - full
+        operators["window_attention"] = {
+            "compute": {"window_attention_pairs": 4 * d * heads * windowed},
+            "memory": {
+                "window_kv_slots_read": 2 * kv_heads * kv_row * windowed,
+                "query_tokens_padded": per_token * windowed,
+            },
+        }
     # Per layer: two norms (read and write h), two residual adds (read 2h, write h), the
     # gated activation (read 2 x mlp, write mlp, over the active experts' widths), RoPE on
     # q and k (read and write); then the final norm and the embedding gather (read and
     # write h each).
     per_layer = 10 * h + 3 * active + 2 * (heads + kv_heads) * d
     operators["elementwise"] = {"memory": {"query_tokens_padded": (layers * per_layer + 4 * h) * b}}
-    full = layers - len(shape.get("window_layers") or ())
     block = block_size * 2 * kv_heads * kv_row * full  # K and V of one block, every full layer
     operators["block_copies"] = {"memory": {"block_copies": 2 * block}}
     operators["swaps"] = {"host_link": {"swap_blocks": block}}
+    if full < layers:  # a ring block: K and V of every window layer, never quantized
+        ring = block_size * 2 * kv_heads * stored_bytes(d, b, 16, 64) * (layers - full)
+        operators["window_swaps"] = {"host_link": {"window_swap_blocks": ring}}
     return operators
 
 
-def decode_step(batch: int, context: int, block_size: int) -> StepWork:
-    """``batch`` decodes at ``context`` tokens each, as one padded batch."""
+def decode_step(batch: int, context: int, block_size: int, window: int | None = None) -> StepWork:
+    """``batch`` decodes at ``context`` tokens each, as one padded batch; with ``window``,
+    a sliding-window layer reads the ring blocks that hold the window before the new token
+    (work.window_blocks_read) and attends over them and it."""
     keys = -(-context // block_size) * block_size
+    ring = _ring_slots(context - 1, window, block_size)
     return StepWork(
         batch_size=batch,
         row_groups=1,
@@ -296,14 +316,19 @@ def decode_step(batch: int, context: int, block_size: int) -> StepWork:
         attention_pairs=batch * keys,
         kv_slots_read=batch * keys,
         kv_slots_attended=batch * context,
+        window_kv_slots_read=batch * ring,
+        window_attention_pairs=batch * (ring + 1) if window else 0,
         logit_rows=batch,
         single_token_rows=batch,
     )
 
 
-def prefill_step(tokens: int, block_size: int) -> StepWork:
-    """One prompt of ``tokens`` from position 0, logits for its last position."""
+def prefill_step(tokens: int, block_size: int, window: int | None = None) -> StepWork:
+    """One prompt of ``tokens`` from position 0, logits for its last position; with
+    ``window``, a sliding-window layer reads one (empty) ring block and scores the prompt's
+    queries against it and the prompt's keys, as the engine's forward does."""
     keys = -(-tokens // block_size) * block_size
+    ring = _ring_slots(0, window, block_size)
     return StepWork(
         batch_size=1,
         row_groups=1,
@@ -311,8 +336,17 @@ def prefill_step(tokens: int, block_size: int) -> StepWork:
         attention_pairs=tokens * keys,
         kv_slots_read=keys,
         kv_slots_attended=tokens,
+        window_kv_slots_read=ring,
+        window_attention_pairs=tokens * (ring + tokens) if window else 0,
         logit_rows=1,
     )
+
+
+def _ring_slots(start: int, window: int | None, block_size: int) -> int:
+    """Ring slots a row from ``start`` reads in a window layer (0 without one)."""
+    if not window:
+        return 0
+    return max(1, window_blocks_read(start, window, block_size)) * block_size
 
 
 def price_cell(cell: Cell, efficiency: Efficiency) -> tuple[float, float]:
@@ -324,8 +358,9 @@ def price_cell(cell: Cell, efficiency: Efficiency) -> tuple[float, float]:
     shape = _cell_shape(cell.model, cell.weights)
     data = derive(shape, cell.device, block_size=16, efficiency=efficiency)
     profile = RooflineProfile(cell.model, data)
-    decode = 1 / profile.predict(decode_step(1, max(1, cell.decode_tokens // 2), 16))
-    prefill = cell.prompt / profile.predict(prefill_step(cell.prompt, 16))
+    window = shape["window"]
+    decode = 1 / profile.predict(decode_step(1, max(1, cell.decode_tokens // 2), 16, window))
+    prefill = cell.prompt / profile.predict(prefill_step(cell.prompt, 16, window))
     return decode, prefill
 
 
@@ -427,11 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.device}, {shape['name']} {shape['dtype']}, weights at {bits} bits, KV at "
         f"{args.kv_bits}, block size {args.block_size}:"
     )
+    window = shape["window"]
     steps = [
-        (f"decode, batch {n:2}, 512-token contexts", decode_step(n, 512, args.block_size))
+        (f"decode, batch {n:2}, 512-token contexts", decode_step(n, 512, args.block_size, window))
         for n in (1, 8, 32)
     ]
-    steps.append(("prefill, 512 tokens", prefill_step(512, args.block_size)))
+    steps.append(("prefill, 512 tokens", prefill_step(512, args.block_size, window)))
     for label, work in steps:
         seconds = profile.predict(work)
         compute = sum(t.get("compute", 0.0) for t in profile.times(work).values())

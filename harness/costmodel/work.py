@@ -6,11 +6,14 @@ One record, its fields named as the steps table names its columns
 draft work (harness/engine/modelled.py ``step_work``), the recorder writes each field as the
 column of its name, a profile prices it (harness/costmodel/profile.py) and kvbench-calibrate
 fits the prices from the columns of measured steps (``StepWork.from_row``). Every count is per
-step; KV slots and query-key pairs are per full-attention layer and KV head:
+step; KV slots and query-key pairs are per full-attention layer and KV head, the ``window_``
+ones per sliding-window layer and KV head:
 
     batch_size           sequences run, each a row of a padded batch
     swap_out_blocks      blocks moved from the arena to host memory
     swap_in_blocks       blocks moved back into the arena
+    window_swap_blocks   sliding-window ring blocks moved to host memory and back: a swapped
+                         sequence's ring goes with its blocks, whole (0 without window layers)
     block_copies         blocks copied in the arena (copy-on-write, relocation, forks)
     row_groups           padded batches (harness/engine/model_runner.py ``group_rows``): each
                          is a pass over the weights
@@ -20,6 +23,14 @@ step; KV slots and query-key pairs are per full-attention layer and KV head:
     kv_slots_attended    the rows' contexts without padding: sum of start + tokens
     attention_pairs      query-key pairs scored: a group's rows x its padded queries x its
                          padded keys read, summed over groups
+    window_kv_slots_read    a sliding-window layer's KV slots gathered from the rings: each
+                         row reads as many blocks as its group's row with the most needs to
+                         hold the window before its first query (at least one; 0 for a model
+                         without window layers; harness/engine/kv_cache.py ``_ring_layout``)
+    window_attention_pairs  query-key pairs a window layer scores: a group's rows x its
+                         padded queries x (its ring slots read + its padded queries), the new
+                         keys attended beside the ring's (harness/engine/window.py): at most
+                         the window plus a block and the chunk, never the whole context
     logit_rows           positions that get logits (the LM head's rows)
     single_token_rows    rows feeding one token (decodes); it picks the kind, no price
     draft_block_copies   blocks copied in the draft model's arena
@@ -65,12 +76,15 @@ class StepWork:
     batch_size: int = 0
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0
+    window_swap_blocks: int = 0
     block_copies: int = 0
     row_groups: int = 0
     query_tokens_padded: int = 0
     kv_slots_read: int = 0
     kv_slots_attended: int = 0
     attention_pairs: int = 0
+    window_kv_slots_read: int = 0
+    window_attention_pairs: int = 0
     logit_rows: int = 0
     single_token_rows: int = 0
     draft_block_copies: int = 0
@@ -79,8 +93,10 @@ class StepWork:
 
     @classmethod
     def from_row(cls, row: Mapping[str, int]) -> StepWork:
-        """A recorded step's work: a steps-table row (a mapping of its columns)."""
-        return cls(**{name: int(row[name]) for name in COLUMNS})
+        """A recorded step's work: a steps-table row (a mapping of its columns). A row
+        recorded before the window columns existed holds none: 0, as for a model without
+        sliding-window layers."""
+        return cls(**{n: int(row.get(n, 0) if n in WINDOW else row[n]) for n in COLUMNS})
 
     @property
     def kind(self) -> str:
@@ -112,3 +128,16 @@ class StepWork:
 
 # The steps-table columns a StepWork holds, in field order.
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(StepWork))
+# The sliding-window layers' counts: priced by a roofline (its ``window_attention`` and
+# ``window_swaps`` operators), not among ``PRICED``: a measured profile's fit has no term
+# for them.
+WINDOW: tuple[str, ...] = ("window_kv_slots_read", "window_attention_pairs", "window_swap_blocks")
+
+
+def window_blocks_read(start: int, window: int, block_size: int) -> int:
+    """Ring blocks a row from position ``start`` reads in a sliding-window layer: the
+    logical blocks holding positions ``max(start - window + 1, 0) .. start - 1``, none at 0
+    (harness/engine/kv_cache.py lays them out; a padded batch reads at least one)."""
+    if start <= 0:
+        return 0
+    return (start - 1) // block_size - max(start - window + 1, 0) // block_size + 1

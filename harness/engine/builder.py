@@ -29,7 +29,7 @@ from harness.engine.modelled import ModelClock, ModelledProposer, ModelledRunner
 from harness.engine.ngram import NGramProposer
 from harness.engine.sampling_params import LogprobsMode
 from harness.engine.speculative import DraftProposer, NGram, Speculative
-from harness.engine.window import WindowGroup
+from harness.engine.window import WindowGroup, WindowTables
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler
 from schedulers.kv_groups import WindowRings
@@ -73,9 +73,10 @@ def build_engine(
     bytes per block). N-gram lookup keeps no KV: the target's arena has the budget.
 
     A model with sliding-window layers gets rings (harness/engine/window.py): one per
-    running sequence, ``max_num_seqs`` of them, in an arena of their own; ``num_blocks``
-    counts the full-attention layers' blocks, and ``kv_cache_bytes`` pays for the rings
-    first. Its scheduler reads no prefix cache.
+    running sequence, ``max_num_seqs`` of them, in an arena of their own (on the model
+    clock, their tables alone: ``WindowTables``); ``num_blocks`` counts the full-attention
+    layers' blocks, and ``kv_cache_bytes`` pays for the rings first. Its scheduler reads no
+    prefix cache.
 
     ``kv_bits``: 16 stores K and V in the model's dtype; 8 or 4 quantizes them group-wise
     (``kv_group_size`` values per scale and bias, as ``mx.quantize``) in the arena, the
@@ -179,6 +180,7 @@ def build_engine(
             vocab_size=model.vocab_size,
             acceptance=rate,
             seed=seed,
+            window=model.window if window is not None else None,
         )
         proposer = ModelledProposer(runner, seed) if draft is not None else None
         return LLMEngine(
@@ -186,6 +188,7 @@ def build_engine(
             built.allocator,
             built,
             proposer=proposer,
+            window=WindowTables(model, built.rings) if window is not None else None,
             runner=runner,
             clock=ModelClock(profile_),
             seed=seed,
@@ -255,11 +258,6 @@ def _modelled(
             f"{block_size}: calibrate at {block_size} for per-block costs that hold",
             ProfileWarning,
             stacklevel=3,
-        )
-    if model.window_layers:
-        raise ValueError(
-            f"engine.clock=model does not run model {model.name!r}'s sliding-window layers "
-            "yet: use engine.clock=virtual"
         )
     if pipeline:
         raise ValueError("engine.pipeline=true has nothing to overlap on engine.clock=model")

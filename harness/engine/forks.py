@@ -30,7 +30,7 @@ from harness.engine.recorder import Recorder
 from harness.engine.request import RequestOutput, Seq
 from harness.engine.request_table import RequestTable
 from harness.engine.sampling_params import make_rng
-from harness.engine.window import WindowGroup
+from harness.engine.window import WindowTables
 from schedulers.base import Scheduler
 from schedulers.output import Fork
 
@@ -43,7 +43,7 @@ class Forks:
         requests: RequestTable,
         scheduler: Scheduler,
         runner: Runner,
-        window: WindowGroup | None,
+        window: WindowTables | None,
         outputs: OutputProcessor,
         recorder: Recorder,
     ) -> None:

@@ -30,7 +30,7 @@ from harness.engine.kv_cache import HostBlocks, KVFormat
 from harness.engine.model_runner import Runner
 from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams
-from harness.engine.window import WindowGroup
+from harness.engine.window import WindowTables
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.prefix_snapshot import claim_prefix, index_prefix
@@ -45,7 +45,7 @@ class HostKV:
         scheduler: Scheduler,
         runner: Runner,
         kv_format: KVFormat,
-        window: WindowGroup | None = None,
+        window: WindowTables | None = None,
         draft_runner: Runner | None = None,
     ) -> None:
         self.model = model

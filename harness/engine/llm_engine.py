@@ -49,7 +49,7 @@ from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode, Samplin
 from harness.engine.speculative import Proposer
 from harness.engine.step_sampler import StepSampler
 from harness.engine.step_state import StepState
-from harness.engine.window import WindowGroup
+from harness.engine.window import WindowTables
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.output import StepResults
@@ -70,7 +70,7 @@ class LLMEngine:
         scheduler: Scheduler,
         *,
         proposer: Proposer | None = None,
-        window: WindowGroup | None = None,
+        window: WindowTables | None = None,
         runner: Runner | None = None,
         clock: Clock | None = None,
         seed: int = 0,
@@ -82,8 +82,9 @@ class LLMEngine:
         """``logprobs_mode`` (vLLM's, engine-wide as there): what ``SamplingParams.logprobs``
         report, raw (before any processing, the default) or processed (what the token was
         drawn from), as log-probabilities or logits; see ``harness/engine/sampling.py``.
-        ``window``: the sliding-window layers' group of a model that has them
-        (harness/engine/window.py; ``build_engine`` makes it). ``runner``: what runs the
+        ``window``: the sliding-window layers' rings of a model that has them
+        (harness/engine/window.py; ``build_engine`` makes them: a ``WindowGroup`` with their
+        arena, or on the model clock ``WindowTables``, the rings alone). ``runner``: what runs the
         rows and moves blocks (harness/engine/model_runner.py's ``Runner``); by default the
         model itself over an arena of ``allocator``'s blocks, stored in ``kv_format``
         (engine.kv_bits: 16, or quantized to 8 or 4 bits, harness/engine/kv_cache.py).

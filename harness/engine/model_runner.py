@@ -19,7 +19,7 @@ from typing import NamedTuple, Protocol
 import mlx.core as mx
 import numpy as np
 
-from harness.costmodel.work import StepWork
+from harness.costmodel.work import StepWork, window_blocks_read
 from harness.engine.kv_cache import BatchLayout, HostBlocks, KVArena, PagedKVCache
 from harness.engine.window import WindowGroup, WindowKVCache
 from harness.platform.models import LoadedModel
@@ -43,20 +43,33 @@ class Row(NamedTuple):
     ring: Sequence[int] = ()
 
 
-def forward_work(rows: Sequence[Row], groups: Sequence[Sequence[int]], block_size: int) -> StepWork:
+def forward_work(
+    rows: Sequence[Row],
+    groups: Sequence[Sequence[int]],
+    block_size: int,
+    window: int | None = None,
+) -> StepWork:
     """The forward's part of a step's work: ``rows`` run as the padded batches ``groups``
     (row indices). Counts no timing changes, the same on any machine for the same rows
     (harness/costmodel/work.py says what each one counts); each row reads as many blocks as
-    its group's longest context needs (``BatchLayout.num_read_blocks``)."""
+    its group's longest context needs (``BatchLayout.num_read_blocks``). With ``window``
+    (a model's sliding-window layers), a window layer's reads and pairs too: each row of a
+    group reads the ring blocks the group's row with the most needs (``window_blocks_read``), then
+    attends over them and the group's padded new keys."""
     lengths = [len(r.tokens) for r in rows]
     ends = [r.start + n for r, n in zip(rows, lengths, strict=True)]
-    queries = keys = pairs = 0
+    queries = keys = pairs = ring_keys = ring_pairs = 0
     for g in groups:
         q = max([lengths[i] for i in g])
         k = -(-max([ends[i] for i in g]) // block_size) * block_size
         queries += len(g) * q
         keys += len(g) * k
         pairs += len(g) * q * k
+        if window is not None:
+            read = max([window_blocks_read(rows[i].start, window, block_size) for i in g])
+            read = max(1, read) * block_size
+            ring_keys += len(g) * read
+            ring_pairs += len(g) * q * (read + q)
     return StepWork(
         batch_size=len(rows),
         row_groups=len(groups),
@@ -64,6 +77,8 @@ def forward_work(rows: Sequence[Row], groups: Sequence[Sequence[int]], block_siz
         kv_slots_read=keys,
         kv_slots_attended=sum(ends),
         attention_pairs=pairs,
+        window_kv_slots_read=ring_keys,
+        window_attention_pairs=ring_pairs,
         logit_rows=sum([r.num_logits for r in rows]),
         single_token_rows=lengths.count(1),
     )
@@ -145,7 +160,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         groups = group_rows(rows, self.key_cost)
         plans = [self._plan([rows[i] for i in g]) for g in groups]
-        work = forward_work(rows, groups, self.arena.block_size)
+        window = self.window.window if self.window is not None else None
+        work = forward_work(rows, groups, self.arena.block_size, window)
         t1 = time.perf_counter()
         outputs: list[mx.array | None] = []
         for g, (inputs, layout, picks) in zip(groups, plans, strict=True):

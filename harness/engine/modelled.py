@@ -59,19 +59,25 @@ def shape_model(
 
 def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True) -> StepWork:
     """The step's work: the ``forward``'s part (``Forward.work``; ``StepWork()`` when no row
-    ran) and the plan's block moves and draft work (none without a ``draft_model``: n-gram
-    lookup)."""
+    ran) and the plan's block moves (a window model's rings too) and draft work (none
+    without a ``draft_model``: n-gram lookup)."""
     drafts = [s for s in plan.scheduled if s.num_draft_tokens] if draft_model else []
+    moved = plan.swapped_out or plan.swapped_in  # most steps move nothing: no pass then
     return StepWork(
         batch_size=forward.batch_size,
         swap_out_blocks=sum(len(s.blocks) for s in plan.swapped_out),
         swap_in_blocks=sum(len(s.blocks) for s in plan.swapped_in),
+        window_swap_blocks=sum([len(s.ring) for s in (*plan.swapped_out, *plan.swapped_in)])
+        if moved
+        else 0,
         block_copies=len(plan.copies),
         row_groups=forward.row_groups,
         query_tokens_padded=forward.query_tokens_padded,
         kv_slots_read=forward.kv_slots_read,
         kv_slots_attended=forward.kv_slots_attended,
         attention_pairs=forward.attention_pairs,
+        window_kv_slots_read=forward.window_kv_slots_read,
+        window_attention_pairs=forward.window_attention_pairs,
         logit_rows=forward.logit_rows,
         single_token_rows=forward.single_token_rows,
         draft_block_copies=len(plan.draft_copies),
@@ -115,22 +121,33 @@ class ModelledRunner:
     """A ``Runner`` without a model: counts each forward's work and draws its tokens.
 
     ``key_cost`` groups rows into padded batches as the real runner would for this model
-    (``ModelRunner.key_cost``), so the counts are the ones a real step would have."""
+    (``ModelRunner.key_cost``), so the counts are the ones a real step would have; a model
+    with sliding-window layers of ``window`` tokens has its window layers' reads counted
+    too, over the rings its rows carry (``forward_work``)."""
 
     arena = None  # no KV arena: nothing is computed
     computes_logits = False
 
     def __init__(
-        self, *, block_size: int, key_cost: float, vocab_size: int, acceptance: float, seed: int
+        self,
+        *,
+        block_size: int,
+        key_cost: float,
+        vocab_size: int,
+        acceptance: float,
+        seed: int,
+        window: int | None = None,
     ) -> None:
         self.block_size = block_size
+        self.window = window
         self.key_cost = key_cost
         self.vocab_size = vocab_size
         self.acceptance = acceptance
         self._rng = np.random.default_rng([seed, 0x5EED])
 
     def forward(self, rows: Sequence[Row], carried=None) -> Forward:
-        work = forward_work(rows, group_rows(rows, self.key_cost), self.block_size)
+        groups = group_rows(rows, self.key_cost)
+        work = forward_work(rows, groups, self.block_size, self.window)
         return Forward(None, 0.0, 0.0, work, tokens=self._tokens(rows))
 
     def _tokens(self, rows: Sequence[Row]) -> np.ndarray:

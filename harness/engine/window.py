@@ -19,10 +19,12 @@ position p for query q iff ``q - window < p <= q``: mlx_lm's window, in prefill 
 
 The rings' allocator is the scheduler's (``schedulers/kv_groups.py``, ``WindowRings``): it
 holds one ring per running sequence, takes a sequence's ring when it comes on the device and
-gives it back when it leaves. This group holds the window layers' arena and moves their KV: a
-swapped-out sequence's ring goes to a host copy (``SwapOut.ring``) and is written back whole
-into its new ring at swap-in (``SwapIn.ring``); a fork copies its parent's ring into its own
-(a shared ring would be overwritten in place by both).
+gives it back when it leaves. ``WindowTables`` reads the rings (a row's ring); the model
+clock runs it alone, as its runner holds no arena. ``WindowGroup`` adds the window layers'
+arena and moves their KV: a swapped-out sequence's ring goes to a host copy
+(``SwapOut.ring``) and is written back whole into its new ring at swap-in (``SwapIn.ring``);
+a fork copies its parent's ring into its own (a shared ring would be overwritten in place by
+both).
 """
 
 from __future__ import annotations
@@ -36,23 +38,18 @@ from harness.platform.models import LoadedModel
 from schedulers.kv_groups import WindowRings
 
 
-class WindowGroup:
-    """The window layers' arena, the host copies of swapped-out rings, and the rings'
-    tables as the scheduler's ``WindowRings`` hands them out."""
+class WindowTables:
+    """The window layers' rings as the scheduler's ``WindowRings`` hands them out, without
+    their KV: what the model clock runs (harness/engine/modelled.py), whose runner holds no
+    arena either. The KV moves a ring takes (a swap-out's host copy, a swap-in, a fork's
+    copy, a finished sequence's host copy dropped) move nothing here; ``WindowGroup`` makes
+    them move the window layers' KV. Both read the same rings, so a schedule's rings are the
+    same whichever runs."""
 
     def __init__(self, model: LoadedModel, rings: WindowRings) -> None:
         self.window = model.window
         self.layers = model.window_layers
         self.rings = rings
-        self.arena = KVArena(
-            num_layers=len(self.layers),
-            num_blocks=rings.allocator.num_blocks,
-            block_size=rings.allocator.block_size,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            dtype=model.dtype,
-        )
-        self._host: dict[str, HostBlocks] = {}  # swapped-out sequences' rings
 
     @property
     def allocator(self):
@@ -70,6 +67,35 @@ class WindowGroup:
     def table(self, seq_id: str) -> Sequence[int]:
         """``seq_id``'s ring (it runs, so it has one)."""
         return self.rings.table(seq_id)
+
+    def copy_ring(self, copies: Sequence[tuple[int, int]]) -> None:
+        """A fork's ring copies (``schedulers.output.Fork.ring_copies``): no KV to copy."""
+
+    def swap_out(self, seq_id: str, ring: Sequence[int]) -> None:
+        """The ring ``seq_id`` gave back this step: no KV to keep."""
+
+    def swap_in(self, seq_id: str, ring: Sequence[int]) -> None:
+        """A swapped-out sequence's new ring: no KV to write back."""
+
+    def drop(self, seq_id: str) -> None:
+        """``seq_id`` finished: no host copy to drop."""
+
+
+class WindowGroup(WindowTables):
+    """The window layers' arena and the host copies of swapped-out rings, over the rings'
+    tables (``WindowTables``)."""
+
+    def __init__(self, model: LoadedModel, rings: WindowRings) -> None:
+        super().__init__(model, rings)
+        self.arena = KVArena(
+            num_layers=len(self.layers),
+            num_blocks=rings.allocator.num_blocks,
+            block_size=rings.allocator.block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=model.dtype,
+        )
+        self._host: dict[str, HostBlocks] = {}  # swapped-out sequences' rings
 
     def copy_ring(self, copies: Sequence[tuple[int, int]]) -> None:
         """A fork's ring copies (``schedulers.output.Fork.ring_copies``): the child continues

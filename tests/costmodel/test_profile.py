@@ -184,8 +184,16 @@ def test_a_steps_table_row_gives_the_counts_it_recorded():
         "draft_tokens": 0,
         "single_token_rows": 2,
         "kv_slots_attended": 40,
+        "window_kv_slots_read": 24,
+        "window_attention_pairs": 30,
+        "window_swap_blocks": 6,
         "duration": 0.5,  # not work: left out
     }
     work = StepWork.from_row(row)
     assert vars(work) == {k: v for k, v in row.items() if k != "duration"}
     assert (work.vector()[6:8], work.kind) == ((3, 5), "mixed")
+    # A row recorded before the window columns existed: no window work.
+    older = StepWork.from_row({k: v for k, v in row.items() if not k.startswith("window_")})
+    assert (older.window_kv_slots_read, older.window_attention_pairs) == (0, 0)
+    assert older.window_swap_blocks == 0
+    assert older.vector() == work.vector()  # not among the priced counts

@@ -348,3 +348,52 @@ def test_a_mixture_reads_the_experts_its_tokens_reach():
     many = moe.times(decode_step(32, 16, 16))["experts"]
     weights = 4 * (1 - 0.5**32) * 3 * 8 * 16 * 2
     assert many["memory"] == pytest.approx((weights + 32 * 2 * 3 * (8 + 16) * 2) / A100_BW)
+
+
+def test_a_window_layers_attention_is_priced_over_its_ring_not_the_context():
+    """Two layers of the toy shape, layer 0 a 16-token window (a ring of ceil(16/16) + 1 = 2
+    blocks of 16). A decode at a 1,000-token context: the full layer reads ceil(1000/16) =
+    63 blocks, 1008 slots, and scores 1008 pairs; the window layer reads the blocks holding
+    positions 984..998 (the window before the new token): 984 // 16 = 61 to 998 // 16 = 62,
+    2 blocks, 32 slots, and scores 32 + 1 = 33 pairs (the ring's slots and the new key).
+
+    Per layer and pair 4 d x heads = 32 FLOPs; per slot K and V, 2 x 4 x 2 = 16 bytes; per
+    query token Q read and the output written (2 x 2 x 4 x 2 = 32 bytes) and the new K and V
+    written (2 x 4 x 2 = 16): 48 bytes. The window layer's bytes: 32 x 16 + 48 = 560, at the
+    A100's bandwidth; priced as a full layer it would be 1008 x 16 + 48 = 16,176."""
+    shape = toy(num_layers=2, window_layers=[0], window=16)
+    work = decode_step(1, 1000, 16, window=16)
+    assert (work.kv_slots_read, work.attention_pairs) == (1008, 1008)
+    assert (work.window_kv_slots_read, work.window_attention_pairs) == (32, 33)
+    bars = profile(shape).times(work)
+    assert bars["window_attention"] == pytest.approx(
+        {"compute": 33 * 32 / A100_FP16, "memory": 560 / A100_BW}
+    )
+    assert bars["attention"] == pytest.approx(
+        {"compute": 1008 * 32 / A100_FP16, "memory": (1008 * 16 + 48) / A100_BW}
+    )
+    # The same shape with both layers full prices two full layers' attention.
+    full = profile(toy(num_layers=2)).times(decode_step(1, 1000, 16))
+    assert "window_attention" not in full
+    assert full["attention"]["memory"] == pytest.approx(2 * (1008 * 16 + 48) / A100_BW)
+
+
+def test_a_shape_without_window_layers_derives_as_before_the_window_counts():
+    """No window_attention operator, and the attention's per-unit figures over every layer:
+    the profiles of models without sliding windows are unchanged."""
+    ops = derive(toy(num_layers=3), "a100", block_size=16)["roofline"]["operators"]
+    assert "window_attention" not in ops
+    assert ops["attention"] == {
+        "compute": {"attention_pairs": 32 * 3},
+        "memory": {"kv_slots_read": 16 * 3, "query_tokens_padded": 48 * 3},
+    }
+
+
+def test_a_swapped_ring_is_priced_over_the_host_link():
+    """The toy's window layer (1 of 2): a ring block holds 16 tokens x K and V x 1 KV head x
+    4 values x 2 bytes = 256 bytes; 3 of them moved cost 768 bytes over the A100's PCIe.
+    The full layer's blocks are the ``swaps`` operator's, as before."""
+    shape = toy(num_layers=2, window_layers=[0], window=16)
+    bars = profile(shape).times(StepWork(swap_out_blocks=2, window_swap_blocks=3))
+    assert bars["window_swaps"] == pytest.approx({"host_link": 3 * 256 / A100_PCIE})
+    assert bars["swaps"] == pytest.approx({"host_link": 2 * 256 / A100_PCIE})

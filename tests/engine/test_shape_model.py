@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 from support import ROOT, TINY
@@ -107,3 +108,58 @@ def test_the_model_clock_runs_quantized_kv_its_roofline_priced(tmp_path):
     assert build(8).allocator.num_blocks == 2**30 // (32 * 2 * 8 * 136 * 16)
     with pytest.raises(ValueError, match=r"^engine\.kv_bits=16 .* set engine\.kv_bits=8$"):
         build(16)
+
+
+GEMMA3_1B = SHAPES_DIR / "gemma-3-1b.json"
+
+
+def test_gemma_3s_shape_runs_its_window_layers_on_the_model_clock(tmp_path):
+    """Gemma 3 1B: 26 layers, every sixth full (5, 11, 17, 23), the other 22 a 512-token
+    window; 999,885,952 parameters (Hugging Face's safetensors total for gemma-3-1b-it).
+    Blocks of 16: a ring of ceil(512 / 16) + 1 = 33 blocks per running sequence, 4 of them
+    (max_num_seqs). A
+    600-token prompt and 40 tokens: its 39 decodes, at positions 600 to 638, read the 32 or 33
+    ring blocks holding the 511 positions before the new one in a window layer (at 600:
+    positions 89..599, blocks 5..37), never the context's ceil(601 / 16) = 38 to
+    ceil(639 / 16) = 40 blocks a full layer reads; the steps hold one ring."""
+    from allocators.free_list import FreeListAllocator
+    from harness.engine import build_engine
+    from harness.engine.sampling_params import SamplingParams
+    from schedulers.fcfs import FCFSScheduler
+
+    model = shape_model(str(GEMMA3_1B))
+    assert model.full_layers == (5, 11, 17, 23) and len(model.window_layers) == 22
+    assert (model.window, model.num_params) == (512, 999_885_952)
+    profile = tmp_path / "m4-max.json"
+    save(derive(model.shape(), "m4-max", block_size=16), profile)
+    engine = build_engine(
+        model,
+        FreeListAllocator,
+        partial(FCFSScheduler, max_num_seqs=4),
+        num_blocks=256,
+        clock="model",
+        profile=str(profile),
+    )
+    assert engine.window.allocator.num_blocks == 4 * 33
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine.add_request("a", list(range(1, 601)), params, arrival_time=0.0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    (row,) = engine.recorder.requests
+    assert row["output_tokens"] == 40
+    decodes = engine.recorder.steps[1:]
+    assert {s["window_kv_slots_read"] // 16 for s in decodes} == {32, 33}
+    assert {s["kv_slots_read"] // 16 for s in decodes} == {38, 39, 40}
+    assert {s["window_blocks_used"] for s in engine.recorder.steps} == {33}
+    # A byte budget pays for the rings first: 4 rings x 33 blocks x 16 tokens x 22 window
+    # layers x 1,024 bytes a token (K and V, 1 KV head of 256 bf16 values) = 47,579,136;
+    # the rest buys full-attention blocks of 4 layers x 1,024 x 16 = 65,536 bytes: 15,658.
+    budget = build_engine(
+        model,
+        FreeListAllocator,
+        partial(FCFSScheduler, max_num_seqs=4),
+        kv_cache_bytes=2**30,
+        clock="model",
+        profile=str(profile),
+    )
+    assert budget.allocator.num_blocks == (2**30 - 47_579_136) // 65_536 == 15_658

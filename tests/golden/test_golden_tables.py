@@ -35,3 +35,6 @@ def test_the_goldens_cover_preemption_speculation_and_forks():
     assert steps["n2"].blocks_shared.sum() > 0
     assert steps["alloc_radix"].blocks_cached.max() > 0
     assert steps["sliding_window"].window_blocks_used.max() > 0
+    window = steps["sliding_window_model"]
+    assert window.window_blocks_used.max() > 0 and window.swap_in_blocks.sum() > 0
+    assert window.window_attention_pairs.sum() > 0

@@ -25,6 +25,7 @@ import numpy as np
 
 from harness.costmodel.profile import Profile
 from harness.costmodel.shape import from_config, read_config
+from harness.costmodel.tiers import TierCost
 from harness.costmodel.work import StepWork
 from harness.engine.clock import VirtualClock
 from harness.engine.model_runner import Forward, Row, forward_work, group_rows
@@ -59,9 +60,16 @@ def shape_model(
 
 def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True) -> StepWork:
     """The step's work: the ``forward``'s part (``Forward.work``; ``StepWork()`` when no row
-    ran) and the plan's block moves and draft work (none without a ``draft_model``: n-gram
-    lookup)."""
+    ran) and the plan's block moves (its tier moves counted by tier: a load by the tier it
+    comes from, a write by the tier it goes to) and draft work (none without a
+    ``draft_model``: n-gram lookup)."""
     drafts = [s for s in plan.scheduled if s.num_draft_tokens] if draft_model else []
+    moved = dict.fromkeys(_TIER_COUNTS, 0)
+    for move in plan.tier_moves:
+        if move.dst_tier == "device":
+            moved[f"{move.src_tier}_blocks_loaded"] += 1
+        else:
+            moved[f"{move.dst_tier}_blocks_written"] += 1
     return StepWork(
         batch_size=forward.batch_size,
         swap_out_blocks=sum(len(s.blocks) for s in plan.swapped_out),
@@ -77,7 +85,16 @@ def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True
         draft_block_copies=len(plan.draft_copies),
         draft_rounds=max((s.num_draft_tokens for s in drafts), default=0),
         draft_tokens=sum(_draft_fed(s) for s in drafts),
+        **moved,
     )
+
+
+_TIER_COUNTS = (
+    "host_blocks_loaded",
+    "disk_blocks_loaded",
+    "host_blocks_written",
+    "disk_blocks_written",
+)
 
 
 def _draft_fed(s: Scheduled) -> int:
@@ -88,19 +105,28 @@ def _draft_fed(s: Scheduled) -> int:
 
 class ModelClock(VirtualClock):
     """A virtual clock that advances by the profile's price of each step's work, never by a
-    measurement: ``charge`` the step's work, then ``advance``."""
+    measurement: ``charge`` the step's work, then ``advance``. ``tiers``: the price of the
+    step's tier moves (kv_tier), added to it; a load prefetched a step ahead pays only what
+    the previous step's price does not hide (harness/costmodel/tiers.py)."""
 
     name = "model"
     measures = False
 
-    def __init__(self, profile: Profile, start: float = 0.0) -> None:
+    def __init__(self, profile: Profile, start: float = 0.0, tiers: TierCost | None = None):
         super().__init__(start)
         self.profile = profile
+        self.tiers = tiers
         self._step = 0.0
+        self._previous = 0.0  # the previous step's price without its tier moves
         self._price = profile.predict
 
     def charge(self, work: StepWork) -> None:
-        self._step = self._price(work)
+        price = self._price(work)
+        if self.tiers is None:
+            self._step = price
+            return
+        self._step = price + self.tiers.step_seconds(work, self._previous)
+        self._previous = price
 
     def after(self, elapsed: float) -> float:
         return self._now + self._step

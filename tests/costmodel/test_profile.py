@@ -184,6 +184,10 @@ def test_a_steps_table_row_gives_the_counts_it_recorded():
         "draft_tokens": 0,
         "single_token_rows": 2,
         "kv_slots_attended": 40,
+        "host_blocks_loaded": 3,
+        "disk_blocks_loaded": 1,
+        "host_blocks_written": 2,
+        "disk_blocks_written": 0,
         "duration": 0.5,  # not work: left out
     }
     work = StepWork.from_row(row)

@@ -22,8 +22,8 @@ disk tier (a host block handed down) the disk. Per step (``step_seconds``):
 
     writes      their full time, before the step's forward: under write-back the evicted
                 block's arena slot is reused by this very step, so it is read out first;
-                under write-through HiCache backs up on a side stream, so there this is an
-                upper bound
+                under write-through a committed block's copy could run beside the
+                computation, so there this is an upper bound
     loads       their full time before the forward that needs them; with ``prefetch``
                 (HiCache's prefetch of a waiting request's hits) issued a step ahead, so only
                 what the previous step's computation does not hide:
@@ -34,7 +34,8 @@ recomputing those tokens costs at least ``min_load_ratio`` x their load. Recompu
 costs what they add to a prefill step: the profile's price of a prefill of the t tokens
 from position 0 (roofline.py ``prefill_step``) less that of the same step without them (its
 fixed part: the weights read once, the intercept, the LM head's row), which the request's
-own prefill pays anyway.
+own prefill pays anyway. SGLang's ``HiRadixCache`` refuses a load back shorter than a fixed
+``load_back_threshold`` (10 tokens) instead.
 """
 
 from __future__ import annotations

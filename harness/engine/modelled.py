@@ -107,7 +107,8 @@ class ModelClock(VirtualClock):
     """A virtual clock that advances by the profile's price of each step's work, never by a
     measurement: ``charge`` the step's work, then ``advance``. ``tiers``: the price of the
     step's tier moves (kv_tier), added to it; a load prefetched a step ahead pays only what
-    the previous step's price does not hide (harness/costmodel/tiers.py)."""
+    the previous step's price does not hide (harness/costmodel/tiers.py), none after an idle
+    wait."""
 
     name = "model"
     measures = False
@@ -127,6 +128,13 @@ class ModelClock(VirtualClock):
             return
         self._step = price + self.tiers.step_seconds(work, self._previous)
         self._previous = price
+
+    def wait_until(self, t: float) -> None:
+        """Idle until ``t``: a step after the wait had no step computing just before it, so
+        no prefetch hid its loads (a request that arrived then was not there to prefetch)."""
+        if t > self._now:
+            self._previous = 0.0
+        super().wait_until(t)
 
     def after(self, elapsed: float) -> float:
         return self._now + self._step

@@ -10,6 +10,7 @@ bytes a token, 65,536 a block of 16."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -18,9 +19,11 @@ from test_model_clock import greedy, toy_profile
 from allocators.free_list import FreeListAllocator
 from allocators.tiers import KVTier, TierMove
 from harness.analysis.metrics import STEP_COLUMNS
+from harness.costmodel.profile import ProfileError, load
+from harness.costmodel.tiers import TierCost
 from harness.costmodel.work import StepWork
 from harness.engine import build_engine
-from harness.engine.modelled import step_work
+from harness.engine.modelled import ModelClock, step_work
 from harness.engine.recorder import Recorder
 from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams
@@ -151,3 +154,37 @@ def test_without_tiers_the_clock_prices_no_move_and_the_tables_are_unchanged(mod
         got, steps = replay(model, tmp_path, {}, tier)
         assert got == pytest.approx([0.100, 0.110, 0.120])
         assert all(s[c] == 0 for s in steps for c in (*TIER_COLUMNS, "tier_time"))
+
+
+def test_a_prefetch_hides_loads_behind_the_previous_step_but_not_behind_an_idle_wait(
+    model, tmp_path
+):
+    """Toy profile: a decode step costs 10 ms, a host block 4 ms. 3 loads (12 ms) after a
+    decode: 2 ms paid. The same after the clock idled to a later arrival: all 12 ms (no step
+    computed while the request could have been prefetched)."""
+    profile = load(toy_profile(model, tmp_path, moves={"block_copies": 0.0, "swap_blocks": SWAP}))
+    tiers = TierCost.of(profile, BLOCK_BYTES, 16)
+    decode = StepWork(batch_size=1, row_groups=1, query_tokens_padded=1, single_token_rows=1)
+    loading = replace(decode, host_blocks_loaded=3)
+    clock = ModelClock(profile, tiers=tiers)
+    clock.charge(decode)
+    assert clock.advance(0.0) == pytest.approx(0.010)
+    clock.charge(loading)
+    assert clock.advance(0.0) == pytest.approx(0.012)
+    clock.wait_until(1.0)
+    clock.charge(loading)
+    assert clock.advance(0.0) == pytest.approx(0.022)
+
+
+def test_a_disk_tier_on_a_profile_without_a_disk_is_refused_in_one_line(model, tmp_path):
+    """The toy profile is measured: it timed no disk."""
+    with pytest.raises(ProfileError, match=r"kv_tier\.disk_blocks needs a roofline profile"):
+        build_engine(
+            model,
+            FreeListAllocator,
+            partial(FCFSScheduler, max_num_seqs=8),
+            num_blocks=64,
+            clock="model",
+            profile=toy_profile(model, tmp_path),
+            kv_tier=KVTier(host_blocks=8, disk_blocks=8),
+        )

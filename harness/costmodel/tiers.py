@@ -73,8 +73,8 @@ class TierCost:
         min_load_ratio: float = 1.0,
     ) -> TierCost:
         """The prices ``profile`` gives a block of ``block_bytes`` (``block_size`` slots);
-        ``disk``: a disk tier is
-        used, so the profile must price the disk (else ProfileError naming the fix)."""
+        ``disk``: a disk tier is used, so the profile must price the disk (else ProfileError
+        naming the fix)."""
         data = profile.data
         section = data.get("roofline")
         if section is not None:

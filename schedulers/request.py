@@ -3,7 +3,8 @@ no engine module (the engine's ``Seq`` implements it).
 
 The scheduler reads a request's identity, rank, parameters and token counts, and is the one
 writer of its state as it moves: ``status``, ``num_computed_tokens`` (admission,
-preemption, each step's progress), ``num_cached_tokens``, ``num_forked_tokens`` and
+preemption, each step's progress), ``num_cached_tokens`` (and its lower tiers' part:
+``num_cached_tokens_host``, ``num_cached_tokens_disk``), ``num_forked_tokens`` and
 ``first_scheduled_time`` (admission, fork), ``preemptions``, the tokens it appends
 (``token_ids``, stamped in ``token_times`` and ``first_token_time``) and how it finished
 (``finish_reason``, ``finish_time``, ``stop_reason``, ``abort_reason``).
@@ -48,7 +49,9 @@ class Request(Protocol):
     arrival_time: float
     status: Status
     num_computed_tokens: int  # tokens whose KV is in the arena
-    num_cached_tokens: int | None
+    num_cached_tokens: int | None  # prefix-cache hit tokens at the first admission, all tiers
+    num_cached_tokens_host: int  # of those, loaded from the host tier (kv_tier)
+    num_cached_tokens_disk: int  # of those, loaded from the disk tier
     num_forked_tokens: int
     first_scheduled_time: float | None
     preemptions: int

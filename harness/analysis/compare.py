@@ -29,6 +29,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from harness.analysis import results
+from harness.analysis.metrics import has_tiers
 
 PROG = "kvbench-compare"
 
@@ -84,7 +85,16 @@ HEADLINES = (
     Column("num_blocks", "arena", "blocks"),
     Column("ttft_p90", "TTFT p90", "ms", 1e3, 1, timed=True),
 )
-_BY_KEY = {c.key: c for c in (*COLUMNS, *HEADLINES)}
+# The lower KV tiers' figures (kv_tier), shown after COLUMNS when a run has tiers
+# (metrics.has_tiers), so a table without any is unchanged.
+TIER_COLUMNS = (
+    Column("prefix_hit_rate_host", "host hit", "%", 100, 1),
+    Column("prefix_hit_rate_disk", "disk hit", "%", 100, 1),
+    Column("reachable_hits_recovered", "recovered", "%", 100, 1),
+    Column("tier_bytes_loaded", "tier loaded", "MiB", 2.0**-20, 1),
+    Column("tier_bytes_written", "tier written", "MiB", 2.0**-20, 1),
+)
+_BY_KEY = {c.key: c for c in (*COLUMNS, *HEADLINES, *TIER_COLUMNS)}
 RUN = "run"  # the label column
 SAME_WORK = "same work"  # a letter shared by measured runs that did the same work
 NOISE = _BY_KEY["timing_noise"]
@@ -110,7 +120,8 @@ def columns(headline: Sequence[str] = ()) -> list[Column]:
 
 def table(path: str | Path, headline: Sequence[str] = ()) -> pd.DataFrame:
     """Every finished run under ``path``, one row each: ``run`` (its label), a column per
-    figure of ``columns(headline)`` named by its header and holding the figure in that unit
+    figure of ``columns(headline)`` (then ``TIER_COLUMNS`` when a run has tiers) named by its
+    header and holding the figure in that unit
     (NaN where the summary has none), ``clock``, ``run_dir`` and ``SAME_WORK`` (a letter
     shared by runs on a measuring clock that did the same work, read from their steps
     tables). Empty when no run under ``path`` has finished.
@@ -132,6 +143,8 @@ def table(path: str | Path, headline: Sequence[str] = ()) -> pd.DataFrame:
         return pd.DataFrame(
             columns=[RUN, *(c.header for c in shown), "clock", "run_dir", SAME_WORK]
         )
+    if any(has_tiers(run) for _, run in runs.iterrows()):
+        shown += [c for c in TIER_COLUMNS if c not in shown]
     items = {d: results.override_items(d) for d in runs["run_dir"]}
     keys: list[str] = []  # every overridden key, first seen first
     for its in items.values():

@@ -43,6 +43,11 @@ REQUEST_SCHEMA: dict[str, str] = {
     "token_times": "list[float]",  # when each output token was produced (for ITL)
     "spec_proposed": "int",
     "spec_accepted": "int",
+    # cached_tokens by the tier each hit came from (kv_tier; SGLang HiCache's device, host
+    # and storage hits): device = cached_tokens - host - disk
+    "cached_tokens_device": "int",
+    "cached_tokens_host": "int",
+    "cached_tokens_disk": "int",
 }
 STEP_SCHEMA: dict[str, str] = {
     "step": "int",
@@ -93,7 +98,31 @@ STEP_SCHEMA: dict[str, str] = {
     "spec_accepted": "int",
     "spec_rejected": "int",
     "spec_verifications": "int",
+    # KV blocks moved between the arena and the lower tiers (kv_tier), and their bytes: a load
+    # by the tier it came from, a write by the tier it went to (costmodel.work.StepWork)
+    "host_blocks_loaded": "int",
+    "disk_blocks_loaded": "int",
+    "host_blocks_written": "int",
+    "disk_blocks_written": "int",
+    "host_bytes_loaded": "int",
+    "disk_bytes_loaded": "int",
+    "host_bytes_written": "int",
+    "disk_bytes_written": "int",
+    "tier_time": "float",  # the tier moves' copies, synchronised (measuring clocks; else 0)
 }
+# Columns added after tables were first written, and what a table without them recorded: no
+# lower KV tier (every hit in the arena, nothing moved). A table from before reads as that.
+_TIER_STEP_COLUMNS = tuple(
+    f"{tier}_{unit}_{verb}"
+    for unit in ("blocks", "bytes")
+    for verb in ("loaded", "written")
+    for tier in ("host", "disk")
+)
+ADDED_COLUMNS: dict[str, dict[str, str | int | float]] = {
+    "requests": {"cached_tokens_device": "cached_tokens", "cached_tokens_host": 0,
+                 "cached_tokens_disk": 0},
+    "steps": {**dict.fromkeys(_TIER_STEP_COLUMNS, 0), "tier_time": 0.0},
+}  # fmt: skip
 REQUEST_COLUMNS: tuple[str, ...] = tuple(REQUEST_SCHEMA)
 STEP_COLUMNS: tuple[str, ...] = tuple(STEP_SCHEMA)
 FINISH_REASONS = ("stop", "length", "abort")
@@ -105,6 +134,8 @@ CLOCKS = ("virtual", "wall", "model")
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 STATS = ("mean", "p50", "p90", "p99")
 KV_PARTS = ("tokens", "future", "internal", "external", "free")
+# Where a prefix hit's KV was (kv_tier): the arena, then the lower tiers (allocators/tiers.py)
+HIT_TIERS = ("device", "host", "disk")
 SUMMARY_KEYS: tuple[str, ...] = (
     *(f"{m}_{s}" for m in LATENCIES for s in STATS),
     "duration",
@@ -124,6 +155,9 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "external_fragmentation_mean",
     "kv_sharing_saving",
     "prefix_hit_rate",
+    *(f"prefix_hit_rate_{t}" for t in HIT_TIERS),
+    "tier_bytes_loaded",
+    "tier_bytes_written",
     "preemptions",
     "spec_acceptance_rate",
     "spec_draft_acceptance_rate",
@@ -186,7 +220,17 @@ def _frame(
     else:
         rows = list(rows)
         df = pd.DataFrame(rows) if rows else pd.DataFrame({c: [] for c in schema})
-    missing = [c for c in schema if c not in df.columns]
+    # a table written before these columns: their values then (ADDED_COLUMNS); a string
+    # names the column a value is copied from
+    absent = {c: v for c, v in ADDED_COLUMNS[table].items() if c not in df.columns}
+    absent = {
+        c: df[v] if isinstance(v, str) else v
+        for c, v in absent.items()
+        if not isinstance(v, str) or v in df
+    }
+    if absent:
+        df = df.assign(**absent)
+    missing = [c for c in schema if c not in df.columns and c not in ADDED_COLUMNS[table]]
     if missing:
         raise MetricsError(f"{table} table: missing column(s) {missing}; record every column")
     out = pd.DataFrame({c: _coerce(df[c], kind, f"{table} table") for c, kind in schema.items()})
@@ -310,6 +354,10 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     prefix_hit_rate counts prefix-cache hits only: completions 1.. of a request with n > 1 that
     got their prompt's KV by a fork (``forked_tokens`` > 0) looked nothing up, so they are left
     out of both sums.
+    prefix_hit_rate_device, _host and _disk split it by where the hit's KV was (kv_tier:
+    the arena, or loaded from a lower tier), over the same rows, so they sum to it;
+    tier_bytes_loaded and tier_bytes_written sum the steps' bytes moved between the arena and
+    the lower tiers (SGLang HiCache's and LMCache's transfer volumes).
     preemptions use all requests. Speculative decoding as Leviathan et al. (ICML 2023) define it:
     acceptance rate alpha = accepted / (accepted + rejected), each verification stopping at
     its first rejected draft; tokens per verification = 1 + accepted per sequence
@@ -373,6 +421,14 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
         prefix_hit_rate=_ratio(
             req["cached_tokens"][looked_up].sum(), req["prompt_tokens"][looked_up].sum()
         ),
+        **{
+            f"prefix_hit_rate_{t}": _ratio(
+                req[f"cached_tokens_{t}"][looked_up].sum(), req["prompt_tokens"][looked_up].sum()
+            )
+            for t in HIT_TIERS
+        },
+        tier_bytes_loaded=int(st["host_bytes_loaded"].sum() + st["disk_bytes_loaded"].sum()),
+        tier_bytes_written=int(st["host_bytes_written"].sum() + st["disk_bytes_written"].sum()),
         preemptions=int(req["preemptions"].sum()),
         spec_acceptance_rate=acceptance_rate(st),
         spec_draft_acceptance_rate=_ratio(accepted, st["spec_proposed"].sum()),
@@ -383,6 +439,18 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, clock: str) -> dic
     )
     # Plain Python scalars, in SUMMARY_KEYS order, so summary.json is stable and diffable.
     return {k: out[k].item() if isinstance(out[k], np.generic) else out[k] for k in SUMMARY_KEYS}
+
+
+def reachable_hits_recovered(summary: Mapping[str, Any]) -> float:
+    """The share of the prefix hits a device-only cache left on the table that the lower
+    tiers served: (prefix_hit_rate_host + prefix_hit_rate_disk) / (max_prefix_hit_rate_blocks
+    - prefix_hit_rate_device), the bound being an unbounded cache's hit rate on the trace as
+    sent (``harness.workload.traces.max_prefix_hit_rate`` at whole blocks). 0 without a lower
+    tier; NaN when the arena already reached the bound. The question SGLang HiCache and
+    LMCache answer by a second tier, measured as the issue's eviction table does (Belady and
+    LRU against the bound)."""
+    lower = summary["prefix_hit_rate_host"] + summary["prefix_hit_rate_disk"]
+    return _ratio(lower, summary["max_prefix_hit_rate_blocks"] - summary["prefix_hit_rate_device"])
 
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
@@ -465,6 +533,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ),
         ("KV saved by sharing (fork)", _num(s["kv_sharing_saving"], 100, 1, unit=" %")),
         ("Prefix hit rate", _num(s["prefix_hit_rate"], 100, 1, unit=" %")),
+        *_tier_rows(s),
         ("Preemptions", str(s["preemptions"])),
         (
             "Spec acceptance rate alpha / draft",
@@ -477,3 +546,31 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def has_tiers(summary: Mapping[str, Any]) -> bool:
+    """The run moved KV to or from a lower tier, or hit one (kv_tier): its tier figures say
+    something (a run without tiers, or whose tiers never filled, shows none of them)."""
+    keys = (
+        "tier_bytes_loaded",
+        "tier_bytes_written",
+        "prefix_hit_rate_host",
+        "prefix_hit_rate_disk",
+    )
+    return any(summary.get(k, 0) > 0 for k in keys)
+
+
+def _tier_rows(s: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The console rows of the lower tiers' figures, when the run has any (``has_tiers``)."""
+    if not has_tiers(s):
+        return []
+    hits = " / ".join(_num(s[f"prefix_hit_rate_{t}"], 100, 1, unit=" %") for t in HIT_TIERS)
+    moved = " / ".join(_num(s[k], 2.0**-20, 1) for k in ("tier_bytes_loaded", "tier_bytes_written"))
+    return [
+        ("Prefix hits device / host / disk", hits),
+        (
+            "Reachable hits recovered",
+            _num(s.get("reachable_hits_recovered", math.nan), 100, 1, unit=" %"),
+        ),
+        ("Tier loaded / written", f"{moved} MiB"),
+    ]

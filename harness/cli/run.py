@@ -45,6 +45,7 @@ from harness.analysis import results
 from harness.analysis.metrics import (
     format_outcome,
     format_summary,
+    reachable_hits_recovered,
     requests_frame,
     steps_frame,
     summarize,
@@ -169,6 +170,9 @@ def run(
         # over the prompts as sent: a follow-up turn's holds the turns and answers before it
         max_prefix_hit_rate=max_prefix_hit_rate(sent.requests, answers=sent.answers),
         max_prefix_hit_rate_blocks=max_prefix_hit_rate(sent.requests, block_size, sent.answers),
+    )
+    summary.update(
+        reachable_hits_recovered=reachable_hits_recovered(summary),
         warmup_requests=min(cfg.warmup, len(trace)) if engine.clock.measures else 0,
         timing_noise=noise.spread(probes) if probes else math.nan,
         profile=_profile(engine),

@@ -36,6 +36,10 @@ ones per sliding-window layer and KV head:
     draft_block_copies   blocks copied in the draft model's arena
     draft_rounds         the draft model's sequential forwards (speculative decoding: k)
     draft_tokens         tokens the draft model fed (its catch-up and its proposals)
+    host_blocks_loaded   blocks loaded into the arena from the host tier (kv_tier)
+    disk_blocks_loaded   blocks loaded into the arena from the disk tier
+    host_blocks_written  blocks written down to the host tier
+    disk_blocks_written  blocks written down to the disk tier
 
 A profile prices the counts ``PRICED`` names, in that order (``vector``): columns, but for
 two sums, since a block costs the same whichever model's arena holds it and whichever way it
@@ -45,6 +49,10 @@ swap_out_blocks + swap_in_blocks.
 A step's ``kind`` picks the piece of a piecewise-linear profile: ``decode`` (every row feeds
 one token), ``prefill`` (no row does), ``mixed`` (both), ``verify`` (drafts are verified)
 and ``idle`` (no row ran: block moves only).
+
+The tier moves (the ``*_blocks_loaded`` and ``*_blocks_written`` counts) are not in
+``PRICED``: a profile prices the step's own work, and harness/costmodel/tiers.py the moves,
+whose loads may overlap the previous step (``TierCost.step_seconds``).
 """
 
 from __future__ import annotations
@@ -90,6 +98,10 @@ class StepWork:
     draft_block_copies: int = 0
     draft_rounds: int = 0
     draft_tokens: int = 0
+    host_blocks_loaded: int = 0
+    disk_blocks_loaded: int = 0
+    host_blocks_written: int = 0
+    disk_blocks_written: int = 0
 
     @classmethod
     def from_row(cls, row: Mapping[str, int]) -> StepWork:

@@ -19,8 +19,10 @@ from functools import partial
 from typing import Literal
 
 from allocators.base import BlockAllocator
+from allocators.tiers import KVTier
 from harness.costmodel.profile import Profile, ProfileWarning, fingerprint
 from harness.costmodel.profile import load as load_profile
+from harness.costmodel.tiers import TierCost
 from harness.engine.clock import CLOCKS
 from harness.engine.kv_cache import KVFormat
 from harness.engine.llm_engine import LLMEngine
@@ -57,6 +59,7 @@ def build_engine(
     record: bool = True,
     pipeline: bool = False,
     logprobs_mode: LogprobsMode = "raw_logprobs",
+    kv_tier: KVTier | None = None,
 ) -> LLMEngine:
     """Size the arena (from ``num_blocks`` or a byte budget), then build the parts.
 
@@ -89,7 +92,11 @@ def build_engine(
     forward, each step priced by the cost ``profile`` file (harness/engine/modelled.py),
     speculative drafts accepted with probability ``acceptance`` (default: the profile's
     measured rate). ``seed``, ``record``, ``pipeline`` and ``logprobs_mode`` are
-    ``LLMEngine``'s."""
+    ``LLMEngine``'s.
+
+    ``kv_tier``: lower KV tiers under the prefix cache (allocators/tiers.py). On the model
+    clock their moves are priced (harness/costmodel/tiers.py ``TierCost``: the profile's
+    host link, the device sheet's disk; a disk tier needs a profile that prices the disk)."""
     if model.model is None and clock != "model":
         raise ValueError(
             f"model=shape ({model.name!r}) has no weights to run on engine.clock={clock}: "
@@ -103,8 +110,21 @@ def build_engine(
             f"engine.kv_bits={kv_bits} is not supported for the sliding-window layers of "
             f"model {model.name!r} (their rings are not quantized): use engine.kv_bits=16"
         )
+    tier_cost = None
     if modelled is not None:
         _check_priced_kv(modelled[0], kv_format)
+        if kv_tier is not None and kv_tier.enabled:
+            # Prices the step's tier moves, and ``tier_cost.worth_loading`` is the prefix
+            # cache's load-or-recompute rule (kv_tier.min_load_ratio) for the allocator.
+            block_bytes = model.kv_bytes_per_token(kv_bits, kv_group_size) * block_size
+            tier_cost = TierCost.of(
+                modelled[0],
+                block_bytes,
+                block_size,
+                disk=kv_tier.disk_blocks > 0,
+                prefetch=kv_tier.prefetch,
+                min_load_ratio=kv_tier.min_load_ratio,
+            )
     limit = model.max_position_embeddings
     if max_model_len is not None and (isinstance(max_model_len, bool) or max_model_len < 1):
         raise ValueError(
@@ -190,10 +210,11 @@ def build_engine(
             proposer=proposer,
             window=WindowTables(model, built.rings) if window is not None else None,
             runner=runner,
-            clock=ModelClock(profile_),
+            clock=ModelClock(profile_, tiers=tier_cost),
             seed=seed,
             record=record,
             logprobs_mode=logprobs_mode,
+            kv_format=kv_format,
         )
     proposer = None
     if isinstance(speculative, NGram):

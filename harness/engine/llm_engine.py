@@ -128,7 +128,12 @@ class LLMEngine:
             runner = ModelRunner(model, arena, window)
         self.runner = runner
         self.proposer = proposer  # proposes drafts, when speculating
-        self.recorder = Recorder(enabled=record, measured=self.clock.measures)
+        block_bytes = model.kv_bytes_per_token(kv_format.bits, kv_format.group_size)
+        self.recorder = Recorder(
+            enabled=record,
+            measured=self.clock.measures,
+            block_bytes=block_bytes * allocator.block_size,
+        )
         # One call at a time (steps, requests in and out); a caller may hold it to keep the
         # engine still.
         self.lock = threading.RLock()

@@ -25,6 +25,7 @@ import numpy as np
 
 from harness.costmodel.profile import Profile
 from harness.costmodel.shape import from_config, read_config
+from harness.costmodel.tiers import TierCost
 from harness.costmodel.work import StepWork
 from harness.engine.clock import VirtualClock
 from harness.engine.model_runner import Forward, Row, forward_work, group_rows
@@ -59,16 +60,23 @@ def shape_model(
 
 def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True) -> StepWork:
     """The step's work: the ``forward``'s part (``Forward.work``; ``StepWork()`` when no row
-    ran) and the plan's block moves (a window model's rings too) and draft work (none
-    without a ``draft_model``: n-gram lookup)."""
+    ran) and the plan's block moves (a window model's rings too; its tier moves counted by
+    tier: a load by the tier it comes from, a write by the tier it goes to) and draft work
+    (none without a ``draft_model``: n-gram lookup)."""
     drafts = [s for s in plan.scheduled if s.num_draft_tokens] if draft_model else []
-    moved = plan.swapped_out or plan.swapped_in  # most steps move nothing: no pass then
+    swapped = plan.swapped_out or plan.swapped_in  # most steps move nothing: no pass then
+    moved = dict.fromkeys(_TIER_COUNTS, 0) if plan.tier_moves else {}
+    for move in plan.tier_moves:
+        if move.dst_tier == "device":
+            moved[f"{move.src_tier}_blocks_loaded"] += 1
+        else:
+            moved[f"{move.dst_tier}_blocks_written"] += 1
     return StepWork(
         batch_size=forward.batch_size,
         swap_out_blocks=sum(len(s.blocks) for s in plan.swapped_out),
         swap_in_blocks=sum(len(s.blocks) for s in plan.swapped_in),
         window_swap_blocks=sum([len(s.ring) for s in (*plan.swapped_out, *plan.swapped_in)])
-        if moved
+        if swapped
         else 0,
         block_copies=len(plan.copies),
         row_groups=forward.row_groups,
@@ -83,7 +91,16 @@ def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True
         draft_block_copies=len(plan.draft_copies),
         draft_rounds=max((s.num_draft_tokens for s in drafts), default=0),
         draft_tokens=sum(_draft_fed(s) for s in drafts),
+        **moved,
     )
+
+
+_TIER_COUNTS = (
+    "host_blocks_loaded",
+    "disk_blocks_loaded",
+    "host_blocks_written",
+    "disk_blocks_written",
+)
 
 
 def _draft_fed(s: Scheduled) -> int:
@@ -94,19 +111,36 @@ def _draft_fed(s: Scheduled) -> int:
 
 class ModelClock(VirtualClock):
     """A virtual clock that advances by the profile's price of each step's work, never by a
-    measurement: ``charge`` the step's work, then ``advance``."""
+    measurement: ``charge`` the step's work, then ``advance``. ``tiers``: the price of the
+    step's tier moves (kv_tier), added to it; a load prefetched a step ahead pays only what
+    the previous step's price does not hide (harness/costmodel/tiers.py), none after an idle
+    wait."""
 
     name = "model"
     measures = False
 
-    def __init__(self, profile: Profile, start: float = 0.0) -> None:
+    def __init__(self, profile: Profile, start: float = 0.0, tiers: TierCost | None = None):
         super().__init__(start)
         self.profile = profile
+        self.tiers = tiers
         self._step = 0.0
+        self._previous = 0.0  # the previous step's price without its tier moves
         self._price = profile.predict
 
     def charge(self, work: StepWork) -> None:
-        self._step = self._price(work)
+        price = self._price(work)
+        if self.tiers is None:
+            self._step = price
+            return
+        self._step = price + self.tiers.step_seconds(work, self._previous)
+        self._previous = price
+
+    def wait_until(self, t: float) -> None:
+        """Idle until ``t``: a step after the wait had no step computing just before it, so
+        no prefetch hid its loads (a request that arrived then was not there to prefetch)."""
+        if t > self._now:
+            self._previous = 0.0
+        super().wait_until(t)
 
     def after(self, elapsed: float) -> float:
         return self._now + self._step

@@ -47,12 +47,14 @@ class _Holding:
 class Recorder:
     """Collects per-step and per-request rows (a no-op when disabled, e.g. in benchmarks)."""
 
-    def __init__(self, *, enabled: bool = True, measured: bool = True):
+    def __init__(self, *, enabled: bool = True, measured: bool = True, block_bytes: int = 0):
         """``measured``: the step timings and MLX memory are real; a model clock's replay
         records them as 0 (its durations are priced, and nothing runs on MLX), so its
-        tables are the same on any machine."""
+        tables are the same on any machine. ``block_bytes``: an arena block's K and V over
+        every full-attention layer, what a tier move carries (the ``*_bytes_*`` columns)."""
         self.enabled = enabled
         self.measured = measured
+        self.block_bytes = block_bytes
         self.requests: list[dict] = []
         # The step rows as columns (8 bytes a value, against ~1.5 KiB a step as a dict).
         self._columns = {
@@ -87,6 +89,7 @@ class Recorder:
         if not self.enabled:
             return
         nan = float("nan")
+        host, disk = seq.num_cached_tokens_host, seq.num_cached_tokens_disk
         row = {
             "request_id": seq.request_id,
             "priority": seq.priority,
@@ -106,6 +109,9 @@ class Recorder:
             "token_times": seq.token_times,  # the sequence has left: its array, uncopied
             "spec_proposed": seq.spec_proposed,
             "spec_accepted": seq.spec_accepted,
+            "cached_tokens_device": (seq.num_cached_tokens or 0) - host - disk,
+            "cached_tokens_host": host,
+            "cached_tokens_disk": disk,
         }
         self.requests.append(row | columns)
 
@@ -205,15 +211,25 @@ class Recorder:
         verifications: Verifications | None = None,
         *,
         work: StepWork,
+        tier_time: float = 0.0,
     ) -> None:
-        """One row per step: the plan, its timings, its ``work`` (every field the column of
-        its name) and the ``snapshot`` taken during it."""
+        """One row per step: the plan, its timings (``tier_time``: the tier moves' copies,
+        measured as ``swap_time`` is), its ``work`` (every field the column of its name, the
+        tier moves' bytes from their blocks) and the ``snapshot`` taken during it."""
         if not self.enabled:
             return
         spec = verifications or Verifications()
         if not self.measured:
-            forward_time = build_time = swap_time = 0.0
+            forward_time = build_time = swap_time = tier_time = 0.0
         row.update(vars(work))
+        size = self.block_bytes
+        row.update(
+            host_bytes_loaded=work.host_blocks_loaded * size,
+            disk_bytes_loaded=work.disk_blocks_loaded * size,
+            host_bytes_written=work.host_blocks_written * size,
+            disk_bytes_written=work.disk_blocks_written * size,
+            tier_time=tier_time,
+        )
         row.update(
             step=self._num_steps,
             start_time=start,

@@ -42,6 +42,9 @@ class Seq:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at the first admission
+    # Of those, loaded from the lower tiers (kv_tier); the rest were in the arena
+    num_cached_tokens_host: int = 0
+    num_cached_tokens_disk: int = 0
     num_forked_tokens: int = 0  # KV forked from completion 0 (n > 1), never looked up
     preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -285,6 +285,13 @@ def _reference(reqs, steps, clock):
     out["prefix_hit_rate"] = sum(r["cached_tokens"] for r in lookups) / sum(
         r["prompt_tokens"] for r in lookups
     )
+    for tier in ("device", "host", "disk"):
+        hits = sum(r.get(f"cached_tokens_{tier}", r["cached_tokens"] * (tier == "device"))
+                   for r in lookups)  # fmt: skip
+        out[f"prefix_hit_rate_{tier}"] = hits / sum(r["prompt_tokens"] for r in lookups)
+    for verb in ("loaded", "written"):
+        moved = sum(s[f"{t}_bytes_{verb}"] for s in steps for t in ("host", "disk"))
+        out[f"tier_bytes_{verb}"] = moved
     out["preemptions"] = sum(r["preemptions"] for r in reqs)
     proposed = sum(s["spec_proposed"] for s in steps)
     accepted = sum(s["spec_accepted"] for s in steps)
@@ -313,6 +320,7 @@ def _random_tables(seed):
         abort = rng.random() < 0.15
         fork = i and rng.random() < 0.2
         prompt = rng.randint(1, 500)
+        host, disk = rng.choice([(0, 0), (rng.randint(0, 16), rng.randint(0, 16))])
         reqs.append(
             _request(
                 f"r{rng.randrange(i)}/{i}" if fork else f"r{i}",  # a completion 1..
@@ -322,7 +330,10 @@ def _random_tables(seed):
                 ttft_slo=rng.choice([NAN, rng.uniform(0, 2)]),
                 tpot_slo=rng.choice([NAN, rng.uniform(0, 0.1)]),
                 prompt_tokens=prompt,
-                cached_tokens=rng.randint(0, 1),
+                cached_tokens=(cached := rng.randint(0, 1) + host + disk),
+                cached_tokens_device=cached - host - disk,
+                cached_tokens_host=host,
+                cached_tokens_disk=disk,
                 forked_tokens=prompt if fork and rng.random() < 0.8 else 0,  # else: no room
                 preemptions=rng.randint(0, 2),
             )
@@ -352,9 +363,16 @@ def _random_tables(seed):
                 spec_accepted=accepted,
                 spec_rejected=min(verifications, proposed - accepted),
                 spec_verifications=verifications,
+                **{c: rng.choice([0, rng.randint(0, 8)]) for c in TIER_BLOCKS},
             )
         )
+        for c in TIER_BLOCKS:
+            steps[-1][c.replace("blocks", "bytes")] = steps[-1][c] * 4096
     return reqs, steps
+
+
+TIER_BLOCKS = ("host_blocks_loaded", "disk_blocks_loaded", "host_blocks_written",
+               "disk_blocks_written")  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", range(25))

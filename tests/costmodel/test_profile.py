@@ -187,6 +187,10 @@ def test_a_steps_table_row_gives_the_counts_it_recorded():
         "window_kv_slots_read": 24,
         "window_attention_pairs": 30,
         "window_swap_blocks": 6,
+        "host_blocks_loaded": 3,
+        "disk_blocks_loaded": 1,
+        "host_blocks_written": 2,
+        "disk_blocks_written": 0,
         "duration": 0.5,  # not work: left out
     }
     work = StepWork.from_row(row)

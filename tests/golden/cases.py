@@ -65,7 +65,7 @@ CASES: dict[str, tuple[str, ...]] = {
 # Columns a measuring clock fills from timings: left out where the case runs the model.
 MEASURED = {
     "requests": ("first_scheduled_time", "first_token_time", "finish_time", "token_times"),
-    "steps": ("start_time", "duration", "forward_time", "build_time", "swap_time",
+    "steps": ("start_time", "duration", "forward_time", "build_time", "swap_time", "tier_time",
               "mlx_active_bytes", "mlx_peak_bytes"),
 }  # fmt: skip
 

@@ -145,27 +145,29 @@ class ModelRunner:
         ``launch`` starts the rest, ``wait`` blocks on it."""
         t0 = time.perf_counter()
         groups = group_rows(rows, self.key_cost)
-        plans = [self._plan([rows[i] for i in g]) for g in groups]
+        # One batch in the rows' own order (most decode steps): no row lists regrouped.
+        in_order = len(groups) == 1 and groups[0] == list(range(len(rows)))
+        batches = [rows] if in_order else [[rows[i] for i in g] for g in groups]
+        plans = [self._plan(batch) for batch in batches]
         work = forward_work(rows, groups, self.arena.block_size)
         t1 = time.perf_counter()
         outputs: list[mx.array | None] = []
-        for g, (inputs, layout, picks) in zip(groups, plans, strict=True):
+        for batch, (inputs, layout, picks) in zip(batches, plans, strict=True):
             if outputs:
                 # A write to the arena dispatched while an earlier group's read of it is
                 # pending is a copy of the whole layer, not an in-place write (measured on
                 # MLX's CPU build): finish the earlier groups first.
                 self.wait([o for o in outputs if o is not None])
-            rows_g = [rows[i] for i in g]
-            outputs.append(self._run_group(_with_carried(inputs, rows_g, carried), layout, picks))
-        order = [i for g in groups for i in g]
+            outputs.append(self._run_group(_with_carried(inputs, batch, carried), layout, picks))
         logits = None
         parts = [o for o in outputs if o is not None]
         if parts:
             logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-            # rows asked in their own order; the groups reordered them
-            wanted = [i for i in order if rows[i].num_logits]
-            if wanted != sorted(wanted):
-                logits = logits[mx.array(_regroup(rows, order))]
+            if not in_order:  # rows asked in their own order; the groups reordered them
+                order = [i for g in groups for i in g]
+                wanted = [i for i in order if rows[i].num_logits]
+                if wanted != sorted(wanted):
+                    logits = logits[mx.array(_regroup(rows, order))]
         return Forward(logits, t1 - t0, time.perf_counter() - t1, work)
 
     def run(self, rows: Sequence[Row]) -> mx.array | None:
@@ -309,6 +311,8 @@ def group_rows(rows: Sequence[Row], key_cost: float) -> list[list[int]]:
 
 def _with_carried(inputs: mx.array, rows: Sequence[Row], carried: mx.array | None) -> mx.array:
     """``inputs`` [B, L] with each row's carried tokens put in place, still lazily."""
+    if carried is None:  # no tokens left on the device (not pipelined)
+        return inputs
     width = inputs.shape[1]
     at = [(b * width + j, k) for b, r in enumerate(rows) for j, k in r.carried]
     if not at:

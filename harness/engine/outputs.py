@@ -63,9 +63,7 @@ class OutputProcessor:
         no ``SampleRow``s (``sampling.sample``'s one-argmax case, decided per sequence)."""
         for seq in seqs:
             p = seq.params
-            if p.temperature or p.logprobs is not None or p.penalised:
-                return False
-            if p.min_tokens and self.sample_row(seq).banned:
+            if not p.argmax or (p.min_tokens and self.sample_row(seq).banned):
                 return False
         return True
 

@@ -27,7 +27,8 @@ Each figure is the median over the timed steps, then the median over ``--repeats
 every run is a subprocess of its own. ``--against REF`` runs each cell a second time on the
 code of git commit ``REF`` (``git archive`` into a temporary folder; this file drives it,
 through the public names above, which REF must have), alternately and side by side, REF
-first in every other run, and prints this code's host and forward time over REF's. With
+first in every other run, and prints this code's host and forward time over REF's, then
+REF's own split. With
 ``--profile`` each cell of this code also prints a cProfile of its timed steps (top 25 by
 own time), in a run of its own.
 """
@@ -268,6 +269,9 @@ def main(argv: list[str] | None = None) -> None:
         f"decode steps, medians of {args.repeats} runs; ms per step{against}"
     )
     print(format_rows(rows))
+    if args.against:  # REF's own split, to see which parts moved
+        print(f"\nREF = {args.against}")
+        print(format_rows([{"batch": r["batch"], "got": r["old"]} for r in rows]))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import mlx.core as mx
 import numpy as np
@@ -285,33 +286,76 @@ class BatchLayout:
             return _ring_layout(
                 tables, starts, lengths, window, block_size, scratch_block, num_kv_heads
             )
-        # Few numpy calls and transfers: at decode this runs on the host every step, beside
-        # a forward of a few ms. The mask is built by MLX from the offsets.
-        start = np.array(starts)
-        lens = np.array(lengths)
-        ends = start + lens
-        num_read = -(-int(ends.max()) // block_size)
-        padded = np.full((len(tables), num_read + 1), scratch_block)  # last column: padding
-        for row, table in enumerate(tables):
-            k = -(-int(ends[row]) // block_size)
-            padded[row, :k] = table[:k]
-        step = np.arange(lens.max())
+        if max(lengths) == 1:
+            return _decode_layout(tables, starts, block_size, scratch_block, num_kv_heads)
+        # Few numpy calls and transfers, none per row: at decode this runs on the host every
+        # step, beside a forward of a few ms. The mask is built by MLX from the offsets.
+        start = np.asarray(starts, dtype=np.int32)
+        lens = np.asarray(lengths, dtype=np.int32)
+        need = -(-(start + lens) // block_size)  # blocks each row reads
+        num_read = int(need.max())
+        padded = _padded_tables(tables, need, num_read + 1, scratch_block)  # last: padding
+        step = np.arange(lens.max(), dtype=np.int32)
         pos = start[:, None] + step  # [B, L]
         block_of = np.where(step < lens[:, None], pos // block_size, num_read)
-        blocks = np.take_along_axis(padded, block_of, axis=1)[:, None, :]  # [B, 1, L]
-        heads = np.arange(num_kv_heads)[:, None]
+        blocks = padded[np.arange(len(padded))[:, None], block_of][:, None, :]  # [B, 1, L]
+        heads = np.arange(num_kv_heads, dtype=np.int32)[:, None]
         write_rows = (blocks * num_kv_heads + heads) * block_size + (pos % block_size)[:, None, :]
-        offsets = mx.array(start.astype(np.int32))
+        offsets = mx.array(start)
         queries = offsets[:, None, None, None] + mx.arange(len(step))[None, None, :, None]
         return cls(
             offsets=offsets,
-            write_rows=mx.array(write_rows.reshape(-1).astype(np.int32)),
-            read_rows=mx.array(
-                (padded[:, None, :num_read] * num_kv_heads + heads).astype(np.int32)
-            ),
+            write_rows=mx.array(write_rows.reshape(-1)),
+            read_rows=mx.array(padded[:, None, :num_read] * num_kv_heads + heads),
             mask=mx.arange(num_read * block_size) <= queries,
             num_read_blocks=num_read,
         )
+
+
+def _decode_layout(
+    tables: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    block_size: int,
+    scratch_block: int,
+    num_kv_heads: int,
+) -> BatchLayout:
+    """``BatchLayout.build`` for rows of one new token each (decode), the step the host
+    builds most often: a few integer operations a row in Python, then a dozen array calls
+    for the whole batch (each numpy or MLX call costs ~10 µs right after a forward has run
+    through the caches, several times what it does in a loop of its own)."""
+    bs, heads = block_size, num_kv_heads
+    num_read = max(starts) // bs + 1
+    pad = [scratch_block] * num_read
+    read, written = [], []  # per row: its blocks read; its new token's arena row, head 0
+    for table, start in zip(tables, starts, strict=True):
+        k = start // bs + 1
+        read.append(table[:k] if k == num_read else [*table[:k], *pad[k:]])
+        written.append(table[k - 1] * heads * bs + start % bs)
+    head = np.arange(heads, dtype=np.int32)
+    offsets = mx.array(starts, dtype=mx.int32)
+    return BatchLayout(
+        offsets=offsets,
+        write_rows=mx.array(np.add.outer(np.array(written, dtype=np.int32), head * bs).ravel()),
+        read_rows=mx.array(
+            np.add.outer(np.array(read, dtype=np.int32) * heads, head).swapaxes(1, 2)
+        ),
+        mask=mx.arange(num_read * bs) <= offsets.reshape(-1, 1, 1, 1),
+        num_read_blocks=num_read,
+    )
+
+
+def _padded_tables(
+    tables: Sequence[Sequence[int]], need: np.ndarray, width: int, scratch_block: int
+) -> np.ndarray:
+    """[B, width] int32: row b's first ``need[b]`` blocks of its table, then the scratch
+    block. The tables are read as one flat array (a table may hold more blocks than its row
+    reads: lookahead slots, a region's slack), not row by row."""
+    sizes = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(sizes.sum()))
+    cols = np.arange(width)
+    first = np.cumsum(sizes) - sizes  # where each table starts in ``flat``
+    at = np.minimum(first[:, None] + cols, len(flat) - 1)
+    return np.where(cols < need[:, None], flat[at], np.int32(scratch_block))
 
 
 def _ring_layout(

@@ -469,9 +469,9 @@ class LLMEngine:
         step.verifications = drawn.verifications
         now = self.clock.after(time.perf_counter() - step.start)
         verified, sampled, tokens = drawn.verified, drawn.sampled, drawn.tokens
-        results = StepResults({seq: got.tokens for seq, got in verified}, drawn.forks, now)
-        for seq, token in zip(sampled, tokens, strict=True):
-            results.tokens[seq] = [token]
+        got_tokens = {seq: got.tokens for seq, got in verified} if verified else {}
+        got_tokens.update({seq: [token] for seq, token in zip(sampled, tokens, strict=True)})
+        results = StepResults(got_tokens, drawn.forks, now)
         lengths = {seq: len(seq.token_ids) for seq, _ in verified} if verified else None
         forked = self.scheduler.update(plan, results)
         self._settle()
@@ -487,7 +487,7 @@ class LLMEngine:
             for seq, token, token_logprobs in zip(sampled, tokens, logprobs, strict=True):
                 if token_logprobs is not None:
                     self.outputs.add_logprobs(seq, token, token_logprobs)
-        outputs = self._report([seq for seq, _ in verified] + sampled)
+        outputs = self._report([seq for seq, _ in verified] + sampled if verified else sampled)
         for seq, candidates in drawn.offering:
             outputs += self.forks.offer(seq, candidates, now)
         if drawn.offering:
@@ -498,13 +498,16 @@ class LLMEngine:
         """One output per request of the sequences that got tokens, once all are in."""
         outputs = []
         seen = set()
-        report_progress = self.outputs.report_progress
+        report, report_progress = self.outputs.report, self.outputs.report_progress
         for seq in progressed:
+            group = seq.group_id
+            if group in seen:
+                continue
+            if seq.params.output_kind == "cumulative":
+                seen.add(group)
+                outputs.append(report(seq))
             # A request that asked for its final output only gets none before it finishes.
-            if seq.status is not Status.FINISHED and seq.params.output_kind == "final_only":
-                continue
-            if seq.group_id in seen:
-                continue
-            seen.add(seq.group_id)
-            outputs += report_progress(seq)
+            elif seq.status is Status.FINISHED:
+                seen.add(group)
+                outputs += report_progress(seq)
         return outputs

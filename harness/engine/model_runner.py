@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import NamedTuple, Protocol
 
 import mlx.core as mx
@@ -159,28 +160,30 @@ class ModelRunner:
         ``launch`` starts the rest, ``wait`` blocks on it."""
         t0 = time.perf_counter()
         groups = group_rows(rows, self.key_cost)
-        plans = [self._plan([rows[i] for i in g]) for g in groups]
+        # One batch in the rows' own order (most decode steps): no row lists regrouped.
+        in_order = len(groups) == 1 and groups[0] == list(range(len(rows)))
+        batches = [rows] if in_order else [[rows[i] for i in g] for g in groups]
+        plans = [self._plan(batch) for batch in batches]
         window = self.window.window if self.window is not None else None
         work = forward_work(rows, groups, self.arena.block_size, window)
         t1 = time.perf_counter()
         outputs: list[mx.array | None] = []
-        for g, (inputs, layout, picks) in zip(groups, plans, strict=True):
+        for batch, (inputs, layout, picks) in zip(batches, plans, strict=True):
             if outputs:
                 # A write to the arena dispatched while an earlier group's read of it is
                 # pending is a copy of the whole layer, not an in-place write (measured on
                 # MLX's CPU build): finish the earlier groups first.
                 self.wait([o for o in outputs if o is not None])
-            rows_g = [rows[i] for i in g]
-            outputs.append(self._run_group(_with_carried(inputs, rows_g, carried), layout, picks))
-        order = [i for g in groups for i in g]
+            outputs.append(self._run_group(_with_carried(inputs, batch, carried), layout, picks))
         logits = None
         parts = [o for o in outputs if o is not None]
         if parts:
             logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-            # rows asked in their own order; the groups reordered them
-            wanted = [i for i in order if rows[i].num_logits]
-            if wanted != sorted(wanted):
-                logits = logits[mx.array(_regroup(rows, order))]
+            if not in_order:  # rows asked in their own order; the groups reordered them
+                order = [i for g in groups for i in g]
+                wanted = [i for i in order if rows[i].num_logits]
+                if wanted != sorted(wanted):
+                    logits = logits[mx.array(_regroup(rows, order))]
         return Forward(logits, t1 - t0, time.perf_counter() - t1, work)
 
     def run(self, rows: Sequence[Row]) -> mx.array | None:
@@ -204,29 +207,50 @@ class ModelRunner:
         return pools
 
     def _plan(self, rows: Sequence[Row]):
-        width = max(len(r.tokens) for r in rows)
-        inputs = np.zeros((len(rows), width), dtype=np.int32)
-        for b, r in enumerate(rows):
-            inputs[b, : len(r.tokens)] = r.tokens
-        picks = [
-            b * width + len(r.tokens) - r.num_logits + j
-            for b, r in enumerate(rows)
-            for j in range(r.num_logits)
-        ]
-        layout = self._layout(rows, [r.table for r in rows], self.arena)
+        """One padded batch's inputs [B, L], its layouts, and the flat positions whose logits
+        it returns (None: every position, in order, as at decode). Built with a few numpy
+        calls over the whole batch, not per row: at decode this is the per-step host work
+        that grows with the batch."""
+        tokens = [r.tokens for r in rows]
+        lengths = [len(t) for t in tokens]
+        n, width = len(rows), max(lengths)
+        flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int32, count=sum(lengths))
+        num_logits = [r.num_logits for r in rows]
+        last = num_logits.count(1) == n  # each row's logits at its last position
+        if len(flat) == n * width:  # every row as long (decode): no padding
+            inputs = flat.reshape(n, width)
+            picks = None if last and width == 1 else np.arange(width - 1, n * width, width)
+        else:
+            lens = np.array(lengths)
+            inputs = np.zeros((n, width), dtype=np.int32)
+            inputs[np.arange(width) < lens[:, None]] = flat
+            picks = np.arange(0, n * width, width) + (lens - 1) if last else None
+        if not last:
+            picks = [
+                b * width + length - k + j
+                for b, (length, k) in enumerate(zip(lengths, num_logits, strict=True))
+                for j in range(k)
+            ]
+        starts = [r.start for r in rows]
+        layout = self._layout(starts, lengths, [r.table for r in rows], self.arena)
         ring = None
         if self.window is not None:
             rings = [r.ring for r in rows]
-            ring = self._layout(rows, rings, self.window.arena, self.window.window)
+            ring = self._layout(starts, lengths, rings, self.window.arena, self.window.window)
         return mx.array(inputs), (layout, ring), picks
 
     def _layout(
-        self, rows: Sequence[Row], tables: list, arena: KVArena, window: int | None = None
+        self,
+        starts: list[int],
+        lengths: list[int],
+        tables: list,
+        arena: KVArena,
+        window: int | None = None,
     ) -> BatchLayout:
         return BatchLayout.build(
             tables,
-            [r.start for r in rows],
-            [len(r.tokens) for r in rows],
+            starts,
+            lengths,
             block_size=arena.block_size,
             scratch_block=arena.scratch_block,
             num_kv_heads=self.loaded.num_kv_heads,
@@ -234,7 +258,10 @@ class ModelRunner:
         )
 
     def _run_group(
-        self, inputs: mx.array, layouts: tuple[BatchLayout, BatchLayout | None], picks: list[int]
+        self,
+        inputs: mx.array,
+        layouts: tuple[BatchLayout, BatchLayout | None],
+        picks: np.ndarray | list[int] | None,
     ) -> mx.array | None:
         layout, ring = layouts
         caches = []
@@ -245,9 +272,11 @@ class ModelRunner:
             else:
                 caches.append(PagedKVCache.over(self.arena, i, layout))
         hidden = self.body(inputs, cache=caches)
-        if not picks:
-            return None
         flat = hidden.reshape(-1, hidden.shape[-1])
+        if picks is None:  # every position (decode)
+            return self.head(flat)
+        if not len(picks):
+            return None
         # The LM head only where logits are needed: over every prompt position it costs
         # about a third of prefill time on this model size.
         return self.head(flat[mx.array(picks, dtype=mx.int32)])
@@ -298,6 +327,8 @@ def group_rows(rows: Sequence[Row], key_cost: float) -> list[list[int]]:
 
 def _with_carried(inputs: mx.array, rows: Sequence[Row], carried: mx.array | None) -> mx.array:
     """``inputs`` [B, L] with each row's carried tokens put in place, still lazily."""
+    if carried is None:  # no tokens left on the device (not pipelined)
+        return inputs
     width = inputs.shape[1]
     at = [(b * width + j, k) for b, r in enumerate(rows) for j, k in r.carried]
     if not at:

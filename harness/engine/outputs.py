@@ -57,6 +57,16 @@ class OutputProcessor:
         tokens = seq.token_ids + list(drafts) if drafts else seq.token_ids
         return SampleRow(seq.params, tokens, seq.num_prompt_tokens, seq.rng, banned)
 
+    def argmax_only(self, seqs: Sequence[Seq]) -> bool:
+        """Every one of ``seqs`` takes its logits' argmax: greedy, no penalties, logprobs or
+        banned tokens (``sample_row``'s bans, below ``min_tokens``), so a step of them needs
+        no ``SampleRow``s (``sampling.sample``'s one-argmax case, decided per sequence)."""
+        for seq in seqs:
+            p = seq.params
+            if not p.argmax or (p.min_tokens and self.sample_row(seq).banned):
+                return False
+        return True
+
     def report_progress(self, seq: Seq) -> list[RequestOutput]:
         """The output of a request whose ``seq`` got tokens this step: none until all its
         completions finish when its params ask for the final output only."""
@@ -68,7 +78,19 @@ class OutputProcessor:
 
     def report(self, seq: Seq) -> RequestOutput:
         """The request's output: all its completions (n > 1), finished when all are."""
-        group = self.requests.groups.get(seq.group_id, [seq])
+        group = self.requests.groups.get(seq.group_id)
+        if group is None:  # one completion (n = 1): the request is ``seq`` alone
+            finished = seq.finished
+            prompt = seq.params.prompt_logprobs is not None
+            return RequestOutput(
+                seq.group_id,
+                seq.prompt_token_ids,
+                [self._completion(seq)],
+                finished,
+                abort_reason=seq.abort_reason or None,
+                prompt_logprobs=list(seq.prompt_logprobs) if prompt else None,
+                finished_time=seq.finish_time if finished else None,
+            )
         finished = all(s.finished for s in group)
         if finished:
             self.requests.close_group(seq.group_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal, get_args
 
 import numpy as np
@@ -115,6 +116,13 @@ class SamplingParams:
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
+
+    @cached_property
+    def argmax(self) -> bool:
+        """The token is the logits' argmax, whatever was generated: greedy, no penalties, no
+        logprobs (bans below ``min_tokens`` aside). Computed once per params object: the
+        sampler asks it of every sampling row every step."""
+        return self.temperature == 0 and not self.penalised and self.logprobs is None
 
     @property
     def skip_reading_prefix_cache(self) -> bool:

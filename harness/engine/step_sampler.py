@@ -23,7 +23,7 @@ from harness.engine.model_runner import Forward
 from harness.engine.outputs import OutputProcessor
 from harness.engine.request import Seq
 from harness.engine.request_table import RequestTable
-from harness.engine.sampling import sample
+from harness.engine.sampling import argmax_tokens, sample
 from harness.engine.sampling_params import LogprobsMode, TokenLogprobs
 from harness.engine.speculative import Proposal, Verifications, Verified, verify, verify_tokens
 from schedulers.output import SchedulerOutput
@@ -73,6 +73,16 @@ class StepSampler:
         logits = forward.logits
         requests = self.requests
         drawn = Drawn()
+        if not (proposals or prompt_positions or requests.beams or requests.groups):
+            # Most steps: each row that samples has one row of logits, in plan order, and
+            # nothing else does (no drafts, prompt logprobs, beam offers or forks).
+            drawn.sampled = [s.seq for s in plan.scheduled if s.samples]
+            if forward.tokens is not None:
+                drawn.tokens = forward.tokens.tolist()
+                drawn.logprobs = [None] * len(drawn.tokens)
+            elif drawn.sampled:
+                self._sample(drawn, logits)
+            return drawn
         sampling, verifying, offset = [], {}, 0  # rows that sample and verify, by logits row
         for s in plan.scheduled:
             seq = s.seq
@@ -121,10 +131,19 @@ class StepSampler:
         # sampling from one row: one row of logits per token drawn.
         if picks != list(range(offset)):
             logits = logits[mx.array(picks, dtype=mx.int32)] if picks else None
-        rows = [self.outputs.sample_row(seq) for seq in to_sample]
-        sampled = sample(logits, rows, self.logprobs_mode) if to_sample else []
-        drawn.tokens, drawn.logprobs = [p.token for p in sampled], [p.logprobs for p in sampled]
+        if to_sample:
+            self._sample(drawn, logits)
         return drawn
+
+    def _sample(self, drawn: Drawn, logits: mx.array) -> None:
+        """Draw a token for each of ``drawn.sampled`` from its row of ``logits``."""
+        to_sample = drawn.sampled
+        if self.outputs.argmax_only(to_sample):  # no row needs a SampleRow
+            drawn.tokens, drawn.logprobs = argmax_tokens(logits), [None] * len(to_sample)
+            return
+        rows = [self.outputs.sample_row(seq) for seq in to_sample]
+        sampled = sample(logits, rows, self.logprobs_mode)
+        drawn.tokens, drawn.logprobs = [p.token for p in sampled], [p.logprobs for p in sampled]
 
     def _verify(
         self, forward: Forward, at: dict[Seq, int], proposals: dict[Seq, Proposal]

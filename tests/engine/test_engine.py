@@ -365,3 +365,19 @@ def _smollm2_reference(smollm2, prompts) -> list[list[int]]:
 
 def blocks_for(prompts, block_size: int) -> int:
     return sum(-(-(len(p) + SMOLLM2_TOKENS) // block_size) for p in prompts)
+
+
+def test_a_greedy_row_below_min_tokens_skips_its_banned_argmax(model, prompts, reference):
+    """Greedy rows whose argmax is a stop token they may not take yet (below ``min_tokens``)
+    leave the one-argmax path: the second token differs from mlx_lm's, whose argmax it was."""
+    stop = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, min_tokens=4,
+        stop_token_ids=(reference[0][1],),
+    )  # fmt: skip
+    engine = make_engine(
+        model, FreeListAllocator, block_size=16, num_blocks=2 * blocks_needed(16) + 8
+    )
+    (out,) = engine.generate([prompts[0]], stop)
+    tokens = out.outputs[0].token_ids
+    assert tokens[0] == reference[0][0] and tokens[1] != reference[0][1]
+    assert len(tokens) >= 4

@@ -227,3 +227,18 @@ def test_sample_draws_what_filtered_and_draw_tokens_give():
             uniforms = np.array([make_rng(params, seed).random()] * len(logits))
             want = draw_tokens(filtered(logits, [params] * len(logits)), uniforms).tolist()
             assert [s.token for s in sample(mx.array(logits), rows)] == want
+
+
+def test_argmax_tokens_take_the_first_of_equals_as_mlx_does():
+    logits = mx.array([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [0.0, -1.0, 2.0, 2.0]])
+    assert sampling.argmax_tokens(logits) == [1, 0, 2]
+    assert sampling.argmax_tokens(logits) == mx.argmax(logits, axis=-1).tolist()
+    assert sampling.argmax_tokens(logits.astype(mx.bfloat16)) == [1, 0, 2]  # MLX's own
+
+
+def test_argmax_params_are_greedy_without_penalties_or_logprobs():
+    assert SamplingParams(temperature=0).argmax
+    assert SamplingParams(temperature=0, min_tokens=3).argmax  # bans are the row's to say
+    assert not SamplingParams(temperature=0.5).argmax
+    assert not SamplingParams(temperature=0, repetition_penalty=1.1).argmax
+    assert not SamplingParams(temperature=0, logprobs=0).argmax

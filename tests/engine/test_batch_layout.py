@@ -1,0 +1,49 @@
+"""The index arrays of one padded batch (``BatchLayout.build``), computed by hand: a decode
+batch (one new token a row) and a batch of prompt chunks, over tables longer than what
+their rows read."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import harness  # noqa: F401  (BLAS switch before mlx)
+from harness.engine.kv_cache import BatchLayout
+
+# block size 4, 2 KV heads, scratch block 9. Row 0 decodes position 5 over table [3, 7, 8]
+# (block 8 is reserved ahead, not read); row 1 decodes position 2 over table [1].
+TABLES = [[3, 7, 8], [1]]
+
+
+def test_a_decode_batch_by_hand():
+    layout = BatchLayout.build(
+        TABLES, [5, 2], [1, 1], block_size=4, scratch_block=9, num_kv_heads=2
+    )
+    # Row 0 reads blocks 3, 7; row 1 block 1, then the scratch block: rows block * 2 + head.
+    assert layout.num_read_blocks == 2
+    assert np.array(layout.read_rows).tolist() == [[[6, 14], [7, 15]], [[2, 18], [3, 19]]]
+    # Position 5 is slot 1 of block 7: (7 * 2 + head) * 4 + 1; position 2 slot 2 of block 1.
+    assert np.array(layout.write_rows).tolist() == [57, 61, 10, 14]
+    assert np.array(layout.offsets).tolist() == [5, 2]
+    mask = np.array(layout.mask)
+    assert mask.shape == (2, 1, 1, 8)
+    assert mask[0, 0, 0].tolist() == [True] * 6 + [False] * 2
+    assert mask[1, 0, 0].tolist() == [True] * 3 + [False] * 5
+
+
+def test_a_batch_of_chunks_by_hand():
+    """Row 0 computes positions 5, 6 (a 2-token chunk); row 1 position 2 alone, padded to two
+    queries: its padding position writes to the scratch block."""
+    layout = BatchLayout.build(
+        TABLES, [5, 2], [2, 1], block_size=4, scratch_block=9, num_kv_heads=2
+    )
+    assert layout.num_read_blocks == 2
+    assert np.array(layout.read_rows).tolist() == [[[6, 14], [7, 15]], [[2, 18], [3, 19]]]
+    # [B, H, L]: row 0 slots 1, 2 of block 7; row 1 slot 2 of block 1, then scratch slot 3.
+    assert np.array(layout.write_rows).tolist() == [
+        *[57, 58, 61, 62],
+        *[10, (9 * 2 + 0) * 4 + 3, 14, (9 * 2 + 1) * 4 + 3],
+    ]
+    mask = np.array(layout.mask)
+    assert mask.shape == (2, 1, 2, 8)
+    assert mask[0, 0].tolist() == [[True] * 6 + [False] * 2, [True] * 7 + [False]]
+    assert mask[1, 0, 0].tolist() == [True] * 3 + [False] * 5

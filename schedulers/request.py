@@ -3,10 +3,10 @@ no engine module (the engine's ``Seq`` implements it).
 
 The scheduler reads a request's identity, rank, parameters and token counts, and is the one
 writer of its state as it moves: ``status``, ``num_computed_tokens`` (admission,
-preemption, each step's progress), ``num_cached_tokens``, ``num_forked_tokens`` and
-``first_scheduled_time`` (admission, fork), ``preemptions``, the tokens it appends
-(``token_ids``, stamped in ``token_times`` and ``first_token_time``) and how it finished
-(``finish_reason``, ``finish_time``, ``stop_reason``, ``abort_reason``).
+preemption, each step's progress), ``num_cached_tokens`` (and its lower tiers' shares),
+``num_forked_tokens`` and ``first_scheduled_time`` (admission, fork), ``preemptions``, the
+tokens it appends (``token_ids``, stamped in ``token_times`` and ``first_token_time``) and
+how it finished (``finish_reason``, ``finish_time``, ``stop_reason``, ``abort_reason``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class Request(Protocol):
     arrival_time: float
     status: Status
     num_computed_tokens: int  # tokens whose KV is in the arena
-    num_cached_tokens: int | None
+    num_cached_tokens: int | None  # every tier's hit; the device's is the rest of these two:
+    num_cached_tokens_host: int  # loaded from the host tier (kv_tier)
+    num_cached_tokens_disk: int  # loaded from the disk tier
     num_forked_tokens: int
     first_scheduled_time: float | None
     preemptions: int

@@ -41,6 +41,8 @@ class Seq:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at the first admission
+    num_cached_tokens_host: int = 0  # of which loaded from the host tier (kv_tier)
+    num_cached_tokens_disk: int = 0  # of which loaded from the disk tier
     num_forked_tokens: int = 0  # KV forked from completion 0 (n > 1), never looked up
     preemptions: int = 0
     first_scheduled_time: float | None = None

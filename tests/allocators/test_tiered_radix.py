@@ -25,6 +25,8 @@ tokens. Invariants after each step:
 
 from __future__ import annotations
 
+import copy
+
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -311,6 +313,17 @@ class TieredMachine(RuleBasedStateMachine):
         self.alloc.free(seq)
         del self.tokens[seq]
         self.replay(held)
+
+    @rule(prompt=TOKENS)
+    def what_if(self, prompt: list[int]) -> None:
+        """A copy answers a what-if (priority's make-room) and leaves the original as it was."""
+        before = (self.alloc.dump(), self.alloc.cached_nodes(), self.alloc.stats())
+        twin = copy.deepcopy(self.alloc)
+        assert twin.cached_nodes() == before[1]
+        twin.match_prefix("what-if", prompt)
+        twin.allocate("what-if", len(prompt))
+        twin.check()
+        assert (self.alloc.dump(), self.alloc.cached_nodes(), self.alloc.stats()) == before
 
     # -- invariants
 

@@ -19,6 +19,7 @@ from functools import partial
 from typing import Literal
 
 from allocators.base import BlockAllocator
+from allocators.tiers import KVTier
 from harness.costmodel.profile import Profile, ProfileWarning, fingerprint
 from harness.costmodel.profile import load as load_profile
 from harness.engine.clock import CLOCKS
@@ -57,6 +58,7 @@ def build_engine(
     record: bool = True,
     pipeline: bool = False,
     logprobs_mode: LogprobsMode = "raw_logprobs",
+    kv_tier: KVTier | None = None,
 ) -> LLMEngine:
     """Size the arena (from ``num_blocks`` or a byte budget), then build the parts.
 
@@ -88,7 +90,11 @@ def build_engine(
     forward, each step priced by the cost ``profile`` file (harness/engine/modelled.py),
     speculative drafts accepted with probability ``acceptance`` (default: the profile's
     measured rate). ``seed``, ``record``, ``pipeline`` and ``logprobs_mode`` are
-    ``LLMEngine``'s."""
+    ``LLMEngine``'s.
+
+    ``kv_tier``: lower tiers under the prefix cache (the ``kv_tier`` group; a radix
+    allocator's): the target's allocator is built with them, never the draft's. The real
+    engine moves their bytes (harness/engine/tier_kv.py); the model clock makes no copies."""
     if model.model is None and clock != "model":
         raise ValueError(
             f"model=shape ({model.name!r}) has no weights to run on engine.clock={clock}: "
@@ -140,9 +146,22 @@ def build_engine(
     tokenizer = model.tokenizer
     stopping = Stopping(model.eos_token_ids, tokenizer.decode if tokenizer is not None else None)
 
+    tiered = kv_tier is not None and kv_tier.enabled
+    if tiered and model.window_layers:
+        raise ValueError(
+            f"kv_tier: model {model.name!r} has sliding-window layers, whose scheduler reads "
+            "no prefix cache: use kv_tier=none"
+        )
+    if tiered and not allocator(num_blocks=1, block_size=block_size).caches_prefixes:
+        raise ValueError(
+            "kv_tier keeps blocks the prefix cache evicts, and this allocator keeps no prefix "
+            "cache: use the radix allocator, or kv_tier=none"
+        )
+    tiers = {"kv_tier": kv_tier} if tiered else {}
+
     def policy(num_blocks: int) -> Scheduler:
         return scheduler(
-            allocator(num_blocks=num_blocks, block_size=block_size),
+            allocator(num_blocks=num_blocks, block_size=block_size, **tiers),
             max_model_len=max_model_len,
             num_lookahead_slots=speculative.num_draft_tokens if speculative else 0,
             draft=allocator(num_blocks=num_blocks, block_size=block_size) if draft else None,
@@ -210,6 +229,7 @@ def build_engine(
         pipeline=pipeline,
         logprobs_mode=logprobs_mode,
         kv_format=kv_format,
+        kv_tier=kv_tier,
     )
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from allocators.base import BlockAllocator
+from allocators.tiers import KVTier
 from harness.costmodel.work import StepWork
 from harness.engine.clock import Clock, VirtualClock
 from harness.engine.forks import Forks
@@ -49,6 +50,7 @@ from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode, Samplin
 from harness.engine.speculative import Proposer
 from harness.engine.step_sampler import StepSampler
 from harness.engine.step_state import StepState
+from harness.engine.tier_kv import TierKV
 from harness.engine.window import WindowGroup
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
@@ -78,6 +80,7 @@ class LLMEngine:
         pipeline: bool = False,
         logprobs_mode: LogprobsMode = "raw_logprobs",
         kv_format: KVFormat = UNQUANTIZED,
+        kv_tier: KVTier | None = None,
     ) -> None:
         """``logprobs_mode`` (vLLM's, engine-wide as there): what ``SamplingParams.logprobs``
         report, raw (before any processing, the default) or processed (what the token was
@@ -87,6 +90,11 @@ class LLMEngine:
         rows and moves blocks (harness/engine/model_runner.py's ``Runner``); by default the
         model itself over an arena of ``allocator``'s blocks, stored in ``kv_format``
         (engine.kv_bits: 16, or quantized to 8 or 4 bits, harness/engine/kv_cache.py).
+
+        ``kv_tier``: the lower tiers under the radix allocator's prefix cache (built with
+        them), whose moves this engine makes (harness/engine/tier_kv.py: host copies, and
+        block files in a folder made inside ``kv_tier.dir``, or the system's temporary folder).
+        ``close`` removes that folder unless ``kv_tier.keep``.
 
         ``pipeline``: steps one deep (harness/engine/pipeline.py; off by default: on MLX's
         CPU build pipelined decode measured 1-25 % slower, side by side, docs/design.md)."""
@@ -133,7 +141,10 @@ class LLMEngine:
         self.lock = threading.RLock()
         self.requests = RequestTable()
         draft_runner = proposer.runner if proposer is not None and proposer.runs_model else None
-        self.host = HostKV(model, scheduler, runner, kv_format, window, draft_runner)
+        tiers = None
+        if kv_tier is not None and kv_tier.enabled:
+            tiers = TierKV(kv_tier, runner, lambda: self.host.kv_spec)
+        self.host = HostKV(model, scheduler, runner, kv_format, window, draft_runner, tiers)
         self.outputs = OutputProcessor(model, self.requests)
         self.forks = Forks(self.requests, scheduler, runner, window, self.outputs, self.recorder)
         self.sampler = StepSampler(self.requests, self.outputs, self.forks, logprobs_mode)
@@ -245,6 +256,13 @@ class LLMEngine:
         return [final[rid] for rid in ids]
 
     # -- KV files ------------------------------------------------------------------------
+    def close(self, discard: bool = False) -> None:
+        """Remove the disk tier's folder (``kv_tier``) now, unless it is kept (``discard``:
+        even then: a throwaway engine's); without a disk tier, nothing. A run calls it when
+        its replay ends."""
+        if self.host.tiers is not None:
+            self.host.tiers.close(discard)
+
     def save_prefix_cache(self, folder: str | Path) -> int:
         """Snapshot the radix allocator's prefix cache into ``folder`` (``HostKV``)."""
         with self.lock:

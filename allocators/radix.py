@@ -1,8 +1,9 @@
 """Paged allocation plus a radix-tree prefix cache over full blocks (RadixAttention).
 
-Each tree node is one full block, keyed by its parent's id (a node's own number, never
-its block, which a lower tier's node does not have) and its ``block_size`` token ids (packed
-as int32s, as vocabulary ids fit) in one child map for the whole tree; a path from the root
+Each tree node is one full block, keyed by its parent's id (its block, which a node keeps for
+life; with lower tiers, where a parent's block can leave the arena and be reused, a number of
+its own) and its ``block_size`` token ids (packed as int32s, as vocabulary ids fit) in one
+child map for the whole tree; a path from the root
 spells a token prefix whose KV is stored in the nodes' blocks. A node exists while its block
 is indexed: made by the commit that indexes it, dropped when it is evicted (or, with lower
 tiers, when they drop it), so the tree costs memory with what is cached, not with the arena,
@@ -76,7 +77,9 @@ WorthLoading = Callable[[Tier, int, int], bool]
 
 class _Node:
     """An indexed block's place in the tree (the root has no block, ``-1``, nor parent).
-    ``key``: its parent's ``uid`` and its tokens, packed, its key in the tree's child map;
+    ``key``: its parent's ``uid`` and its tokens, packed, its key in the tree's child map
+    (``uid``: its block without lower tiers, where a node keeps its block for life; a number
+    of its own with them, where a parent's block can leave the arena and be reused);
     ``block``: where its KV is in its ``tier`` (an arena block, or a lower tier's slot);
     ``fanout``: how many children it has on the device."""
 
@@ -94,7 +97,7 @@ class _Node:
         self.hits = 0
         self.entry: int | None = None  # the key of its live heap entry, if a candidate
         self.uid = uid
-        self.tier = DEVICE
+        self.tier = 0  # DEVICE
 
 
 class RadixState(SeqState):
@@ -146,7 +149,7 @@ class RadixAllocator(FreeListAllocator):
         self.eviction = eviction
         self._priority = EVICTION[eviction]
         self._root = _Node(b"", -1, None, 0, -1)
-        self._uid = 0  # the next node's uid
+        self._uid = 0  # the next node's uid (with lower tiers)
         self._nodes: dict[int, _Node] = {}  # indexed block (on the device) -> its node
         self._children: dict[bytes, _Node] = {}  # node.key -> node, for every node
         key = struct.Struct(f"=q{block_size}i")  # (parent uid, *tokens) -> key, and back
@@ -316,18 +319,21 @@ class RadixAllocator(FreeListAllocator):
         node = nodes[table[i - 1]] if i else self._root
         self._clock = now = self._clock + 1
         bs, pack, children = self.block_size, self._pack, self._children
-        start = i * bs
+        start, uid, tiered = i * bs, self._uid, self._stores is not None
         while i < full:
             block, key = table[i], pack(node.uid, *token_ids[start : start + bs])
             child, mine = children.get(key), nodes.get(block)
             if child is None and mine is None:  # the common case: index the block
-                child = nodes[block] = children[key] = _Node(key, block, node, now, self._uid)
-                self._uid += 1
+                child = nodes[block] = children[key] = _Node(
+                    key, block, node, now, uid if tiered else block
+                )
                 node.fanout += 1
-                if self._stores is not None:
+                if tiered:
+                    uid += 1
                     self._indexed(child)
             elif child is not mine:
                 if mine is not None:
+                    self._uid = uid  # the nodes made before stay, with their uids
                     raise ValueError(
                         f"commit: token_ids disagree with the tokens cached in block "
                         f"{block}; commit the tokens that were written"
@@ -342,6 +348,7 @@ class RadixAllocator(FreeListAllocator):
             node = child
             i += 1
             start += bs
+        self._uid = uid
         s.cursor, s.commit_at = i, start + bs  # ``_set_cursor``, inlined
 
     def _after_trim(self, s: RadixState, dropped: list[int], old: int) -> None:
@@ -389,6 +396,8 @@ class RadixAllocator(FreeListAllocator):
     def _refill(self, count: int) -> None:
         """Evict the leaves the policy ranks first until the free list holds ``count``."""
         heap, free, nodes, evicted = self._candidates, self._free, self._nodes, 0
+        # Without tiers an evicted node leaves the tree; with them it stays, in a lower tier.
+        tiered, children = self._stores is not None, self._children
         need = count - self._on_free_list()
         while evicted < need:
             key = heap[0]
@@ -397,8 +406,8 @@ class RadixAllocator(FreeListAllocator):
                 heapq.heappop(heap)  # stale
                 continue
             del nodes[node.block]
-            if self._stores is None:
-                del self._children[node.key]
+            if not tiered:
+                del children[node.key]
             parent = node.parent
             parent.fanout -= 1
             free.append(node.block)
@@ -410,7 +419,7 @@ class RadixAllocator(FreeListAllocator):
                 heapq.heapreplace(heap, key)
             else:
                 heapq.heappop(heap)
-            if self._stores is not None:
+            if tiered:
                 node.entry = None
                 self._demote(node)
         self._num_cached -= evicted

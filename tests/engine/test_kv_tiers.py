@@ -15,7 +15,9 @@ from allocators.radix import RadixAllocator
 from allocators.tiers import KVTier, TierMove
 from harness.engine import build_engine
 from harness.engine.sampling_params import SamplingParams
+from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
+from schedulers.priority import PriorityScheduler
 
 BS = 16
 OUT = 6  # output tokens per request
@@ -108,6 +110,22 @@ def test_tokens_with_tiers_equal_an_arena_that_never_evicts(
     assert engine.allocator.stats().evictions > 0
     engine.close()
     assert list(tmp_path.iterdir()) == []  # the disk tier's folder is gone
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"pipeline": True}, {"scheduler": ChunkedPrefillScheduler}, {"scheduler": PriorityScheduler}],
+    ids=["pipelined", "chunked_prefill", "priority"],
+)
+def test_tokens_with_tiers_hold_under_other_step_loops_and_policies(model, reference, options):
+    scheduler = options.pop("scheduler", FCFSScheduler)
+    engine = build_engine(
+        model, RadixAllocator, scheduler, block_size=BS, num_blocks=9,
+        kv_tier=TIERS["host_write_back"], **options,
+    )  # fmt: skip
+    made = watch(engine)
+    assert [run(engine, f"r{i}", p) for i, p in enumerate(conversations())] == reference[16]
+    assert any(m.dst_tier == "device" for m in made)
 
 
 def test_an_allocator_without_a_prefix_cache_refuses_tiers(model) -> None:

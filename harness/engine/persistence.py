@@ -18,7 +18,9 @@ rows (harness/engine/kv_cache.py)::
       checksum     sha256 of the tensors' bytes, in name order
 
 The block layout is ``HostBlocks``'s (the arena's swap format): a change to it is a new
-``FORMAT``.
+``FORMAT``. A disk tier's block (``kv_tier``, harness/engine/tier_kv.py) is a file of this
+format with empty ``token_ids`` (``save_blocks``; its radix node knows the tokens), read back
+by ``load_blocks`` with the same checks but the token count.
 
 ``load`` refuses a file it cannot trust, raising ``KVFileError`` with one line that names the
 file and the reason: unreadable (missing, not safetensors, truncated), not a kvbench KV file,

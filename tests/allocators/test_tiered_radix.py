@@ -20,7 +20,8 @@ tokens. Invariants after each step:
 - ``match_prefix`` returns what the model predicts from ``cached_nodes`` and the load decision
   (device run, then the host run and the disk run unless declined, as far as free blocks go),
   and ``lower_tier_hits`` splits it; a forecast ``can_allocate`` is what ``allocate`` does, so
-  a full tier never fails a request.
+  a full tier never fails a request;
+- a deep copy (priority's what-if) matches and allocates without touching the original.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ SETTINGS = {
 }
 # Arguments the harness passes when it builds a part, so the config must not set them.
 RUNTIME_ARGS = {
-    "allocator": {"num_blocks", "block_size"},
+    "allocator": {"num_blocks", "block_size", "kv_tier", "worth_loading"},
     "scheduler": {"allocator", "max_model_len", "num_lookahead_slots", "draft", "window"},
     "engine": {"model", "allocator", "scheduler", "speculative", "kv_tier"},
     "sampling": {"max_tokens", "ignore_eos"},

@@ -231,6 +231,7 @@ def test_launcher_configs_name_an_importable_launcher(launcher: str) -> None:
         (["+allocator.num_blocks=4"], r"allocator\.num_blocks is set from the harness"),
         (["+scheduler.max_model_len=9"], r"scheduler\.max_model_len is set from engine\.max_m"),
         (["kv_tier=host"], r"allocator allocators\.free_list\.FreeListAllocator keeps no prefix"),
+        (["allocator=radix", "+allocator.kv_tier=null"], r"allocator\.kv_tier is set from the h"),
         (
             ["allocator=radix", "kv_tier=host_disk", "kv_tier.host_blocks=0"],
             r"kv_tier\.disk_blocks=8192 with kv_tier\.host_blocks=0.*host_blocks >= 1",

@@ -50,6 +50,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from allocators.stats import AllocatorStats
+from allocators.tiers import TierMove
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +277,18 @@ class BlockAllocator(ABC):
         """Blocks ``free(seq_id)`` would give back (0 for an unknown sequence)."""
         s = self._seqs.get(seq_id)
         return 0 if s is None else self._reclaimable(s)
+
+    def drain_tier_moves(self) -> list[TierMove]:
+        """The block moves between the arena and lower KV tiers (``allocators.tiers``) this
+        allocator decided since the last call, in the order the engine must make them; the
+        caller takes them over (empty without lower tiers)."""
+        return []
+
+    def lower_tier_hits(self, seq_id: str) -> tuple[int, int]:
+        """Tokens of ``seq_id``'s last ``match_prefix`` loaded from the host tier and from the
+        disk tier (part of what it returned; the rest was in the arena). (0, 0) without
+        lower tiers."""
+        return (0, 0)
 
     def cached_paths(self) -> list[tuple[tuple[int, ...], list[int]]]:
         """Every root-to-leaf path of the prefix cache: the tokens it spells and its blocks,

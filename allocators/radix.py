@@ -1,11 +1,13 @@
 """Paged allocation plus a radix-tree prefix cache over full blocks (RadixAttention).
 
-Each tree node is one full block, keyed by its parent's block and its ``block_size``
-token ids (packed as int32s, as vocabulary ids fit) in one child map for the whole
-tree; a path from the root spells a token prefix whose KV is stored in the nodes'
-blocks. A node exists while its block is indexed: made by the commit that indexes it,
-dropped when it is evicted, so the tree costs memory with what is cached, not with the
-arena, and no node carries a dict of its own::
+Each tree node is one full block, keyed by its parent's id (its block, which a node keeps for
+life; with lower tiers, where a parent's block can leave the arena and be reused, a number of
+its own) and its ``block_size`` token ids (packed as int32s, as vocabulary ids fit) in one
+child map for the whole tree; a path from the root
+spells a token prefix whose KV is stored in the nodes' blocks. A node exists while its block
+is indexed: made by the commit that indexes it, dropped when it is evicted (or, with lower
+tiers, when they drop it), so the tree costs memory with what is cached, not with the arena,
+and no node carries a dict of its own::
 
     root ─ (1,2,3,4)#7 ─ (5,6,7,8)#3 ─ (9,9,9,9)#5        block_size = 4
                        └ (5,6,0,0)#12
@@ -34,6 +36,23 @@ to compare, while the clock is young.
 Invariant that makes every cached block evictable: the indexed blocks of a table
 are a prefix of it and a path from the root, so a held node's ancestors are held
 too, and an unheld node has no held descendant.
+
+Lower tiers (``kv_tier``, ``allocators.tiers``; HiCache's hierarchical radix tree). A leaf
+the arena evicts is not dropped but goes to the host tier (``write_back``: a device->host
+move now; ``write_through``: its host copy was written when it was committed, so the move is
+free), a full host tier hands its victim down to disk, a full disk drops it: a node whose KV
+is only in a lower tier stays in the tree. Down any path the tiers only go down (device,
+host, disk), so ``match_prefix`` walks device hits, then host, then disk hits, and loads the
+lower ones into arena blocks (host/disk->device moves; ``worth_loading`` may decline a tier,
+whose tokens are then recomputed)::
+
+    root ─ A#7 ─ B#3 ─ C@h2 ─ D@d0        # arena block, @h host slot, @d disk slot
+                     └ E@h5
+
+A lower tier evicts its policy's first node that has no child in the same tier (a leaf of
+that tier, so a node handed down keeps the order), never one a load in progress reads; a node
+dropped takes its subtree (lower-tier nodes only) with it. ``drain_tier_moves`` hands the
+moves to the scheduler, in the order the engine makes them.
 """
 
 from __future__ import annotations
@@ -47,16 +66,29 @@ from typing import Literal, get_args
 
 from allocators.base import SeqState, blocks_for
 from allocators.free_list import FreeListAllocator
+from allocators.tier_store import TierStore
+from allocators.tiers import TIERS, KVTier, Tier, TierMove
+
+DEVICE, HOST, DISK = range(3)  # a node's ``tier``: an index into ``TIERS``
+# Whether loading ``num_blocks`` blocks (``num_tokens`` tokens) from a tier beats recomputing
+# them; the builder prices it from the profile (kv_tier.min_load_ratio).
+WorthLoading = Callable[[Tier, int, int], bool]
 
 
 class _Node:
     """An indexed block's place in the tree (the root has no block, ``-1``, nor parent).
-    ``key``: its parent's block and its tokens, packed, its key in the tree's child map;
-    ``fanout``: how many children it has."""
+    ``key``: its parent's ``uid`` and its tokens, packed, its key in the tree's child map
+    (``uid``: its block without lower tiers, where a node keeps its block for life; a number
+    of its own with them, where a parent's block can leave the arena and be reused);
+    ``block``: where its KV is in its ``tier`` (an arena block, or a lower tier's slot);
+    ``fanout``: how many children it has on the device."""
 
-    __slots__ = ("key", "block", "parent", "fanout", "last_access", "hits", "created", "entry")
+    __slots__ = (
+        "key", "block", "parent", "fanout", "last_access", "hits", "created", "entry", "uid",
+        "tier",
+    )  # fmt: skip
 
-    def __init__(self, key: bytes, block: int, parent: _Node | None, now: int) -> None:
+    def __init__(self, key: bytes, block: int, parent: _Node | None, now: int, uid: int) -> None:
         self.key = key
         self.block = block
         self.parent = parent
@@ -64,6 +96,8 @@ class _Node:
         self.last_access = self.created = now
         self.hits = 0
         self.entry: int | None = None  # the key of its live heap entry, if a candidate
+        self.uid = uid
+        self.tier = 0  # DEVICE
 
 
 class RadixState(SeqState):
@@ -71,11 +105,12 @@ class RadixState(SeqState):
     the token count that fills the next block, ``(cursor + 1) * block_size`` (so the common
     commit, which fills no block, is one comparison)."""
 
-    __slots__ = ("cursor", "commit_at")
+    __slots__ = ("cursor", "commit_at", "loaded")
 
     def __init__(self) -> None:
         super().__init__()
         self.cursor = self.commit_at = 0
+        self.loaded = (0, 0)  # tokens its match loaded from the host and the disk tier
 
 
 Eviction = Literal["lru", "lfu", "fifo", "mru", "filo", "slru"]
@@ -93,32 +128,69 @@ assert tuple(EVICTION) == get_args(Eviction)
 
 class RadixAllocator(FreeListAllocator):
     """Paged allocator sharing full-block prefixes through a radix tree; ``eviction`` picks
-    which unreferenced leaf to drop when the free list is empty (see the module docstring)."""
+    which unreferenced leaf to drop when the free list is empty (see the module docstring).
+    ``kv_tier``: lower tiers the evicted leaves go to (None or none enabled: dropped);
+    ``worth_loading``: whether a prefix hit in a lower tier is loaded (None: always)."""
 
     _State = RadixState
     caches_prefixes = True
 
-    def __init__(self, num_blocks: int, block_size: int, eviction: Eviction = "lru") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        eviction: Eviction = "lru",
+        kv_tier: KVTier | None = None,
+        worth_loading: WorthLoading | None = None,
+    ) -> None:
         super().__init__(num_blocks, block_size)
         if eviction not in EVICTION:
             raise ValueError(f"eviction={eviction!r}: use one of {sorted(EVICTION)}")
         self.eviction = eviction
         self._priority = EVICTION[eviction]
-        self._root = _Node(b"", -1, None, 0)
-        self._nodes: dict[int, _Node] = {}  # indexed block -> its node
+        self._root = _Node(b"", -1, None, 0, -1)
+        self._uid = 0  # the next node's uid (with lower tiers)
+        self._nodes: dict[int, _Node] = {}  # indexed block (on the device) -> its node
         self._children: dict[bytes, _Node] = {}  # node.key -> node, for every node
-        key = struct.Struct(f"={block_size + 1}i")  # (parent block, *tokens) -> key, and back
+        key = struct.Struct(f"=q{block_size}i")  # (parent uid, *tokens) -> key, and back
         self._pack, self._unpack = key.pack, key.unpack
+        self._stores: list[TierStore[_Node] | None] | None = None  # per tier; None: no tiers
+        if kv_tier is not None and kv_tier.enabled:
+            self._init_tiers(kv_tier, worth_loading)
         self._num_cached = 0  # indexed blocks nobody holds
         self._candidates: list[int] = []  # heap of keys of unreferenced leaves
         self._block_bits = (num_blocks - 1).bit_length()  # a heap key's low bits: the block
         self._block_mask = (1 << self._block_bits) - 1
         self._clock = 0
 
+    def _init_tiers(self, kv_tier: KVTier, worth_loading: WorthLoading | None) -> None:
+        if kv_tier.write_policy not in ("write_back", "write_through"):
+            raise ValueError(
+                f"kv_tier.write_policy={kv_tier.write_policy!r}: use write_back or write_through"
+            )
+        if kv_tier.eviction not in EVICTION:
+            raise ValueError(
+                f"kv_tier.eviction={kv_tier.eviction!r}: use one of {sorted(EVICTION)}"
+            )
+        if kv_tier.host_blocks < 1:
+            raise ValueError(
+                f"kv_tier.host_blocks={kv_tier.host_blocks}: a disk tier sits under a host tier; "
+                "give host_blocks >= 1"
+            )
+        rank = EVICTION[kv_tier.eviction]
+        disk = TierStore(kv_tier.disk_blocks, rank) if kv_tier.disk_blocks > 0 else None
+        self._stores = [None, TierStore(kv_tier.host_blocks, rank), disk]
+        self._write_through = kv_tier.write_policy == "write_through"
+        self._worth_loading = worth_loading
+        self._moves: list[TierMove] = []  # emitted, not yet drained
+        self._kids: dict[int, dict[int, _Node]] = {}  # uid -> its children (every tier)
+        self._backup: dict[int, int] = {}  # write-through: device node uid -> its host slot
+        self._pinned: set[int] = set()  # uids of lower-tier nodes a load in progress reads
+
     def __deepcopy__(self, memo: dict) -> RadixAllocator:
         """A copy for what-if questions (priority's make-room). The tree is rebuilt from the
         node map, not walked recursively: deep trees would exhaust the stack."""
-        olds = [self._root, *self._nodes.values()]
+        olds = [self._root, *self._children.values()]
         news = [copy.copy(node) for node in olds]
         memo.update((id(old), new) for old, new in zip(olds, news, strict=True))
         for old, new in zip(olds, news, strict=True):
@@ -130,20 +202,36 @@ class RadixAllocator(FreeListAllocator):
         return clone
 
     def cached_paths(self) -> list[tuple[tuple[int, ...], list[int]]]:
-        """Every root-to-leaf path of the tree (held or not): the tokens it spells and its
-        blocks, in token order. A snapshot of the whole prefix cache."""
-        below: dict[int, list[_Node]] = {}  # parent block -> its children
+        """Every root-to-leaf path of the tree on the device (held or not): the tokens it
+        spells and its blocks, in token order. A snapshot of the arena's prefix cache."""
+        below: dict[int, list[_Node]] = {}  # parent uid -> its children on the device
         for node in self._nodes.values():
-            below.setdefault(node.parent.block, []).append(node)
+            below.setdefault(node.parent.uid, []).append(node)
         paths, stack = [], [(self._root, (), [])]
         while stack:
             node, tokens, blocks = stack.pop()
             if not node.fanout and node is not self._root:
                 paths.append((tokens, blocks))
-            for child in below.get(node.block, ()):
+            for child in below.get(node.uid, ()):
                 tokens_below = tokens + self._unpack(child.key)[1:]
                 stack.append((child, tokens_below, [*blocks, child.block]))
         return sorted(paths)
+
+    def cached_nodes(self) -> list[tuple[tuple[int, ...], Tier, int]]:
+        """Every node of the tree, in every tier: the tokens of the prefix it ends, its tier
+        and where its KV is there (an arena block, a host or disk slot), sorted. A
+        write-through host copy of a device node is not listed: the node is on the device."""
+        below: dict[int, list[_Node]] = {}  # parent uid -> its children
+        for node in self._children.values():
+            below.setdefault(node.parent.uid, []).append(node)
+        nodes, stack = [], [(self._root, ())]
+        while stack:
+            node, tokens = stack.pop()
+            for child in below.get(node.uid, ()):
+                spelled = tokens + self._unpack(child.key)[1:]
+                nodes.append((spelled, TIERS[child.tier], child.block))
+                stack.append((child, spelled))
+        return sorted(nodes)
 
     # -- lookups and indexing ----------------------------------------------------------
 
@@ -152,17 +240,29 @@ class RadixAllocator(FreeListAllocator):
         least the last token to compute (so the engine gets its logits)."""
         bs, pack, children = self.block_size, self._pack, self._children
         end = max(len(token_ids) - 1, 0) // bs * bs
-        parent, path = self._root.block, []
+        parent, path = self._root.uid, []
         for start in range(0, end, bs):
             node = children.get(pack(parent, *token_ids[start : start + bs]))
             if node is None:
                 break
             path.append(node)
-            parent = node.block
+            parent = node.uid
+        return path
+
+    @staticmethod
+    def _on_device(path: list[_Node]) -> list[_Node]:
+        """The leading nodes of ``path`` whose KV is in the arena."""
+        for i, node in enumerate(path):
+            if node.tier:
+                return path[:i]
         return path
 
     def _match(self, s: RadixState, token_ids: Sequence[int]) -> int:
         path = self._path(token_ids)
+        lower = None
+        if self._stores is not None:
+            device = self._on_device(path)
+            path, lower = device, path[len(device) :]
         self._clock += 1
         ref, bs = self._ref, self.block_size
         for node in path:
@@ -177,14 +277,21 @@ class RadixAllocator(FreeListAllocator):
                 node.entry = None  # held again: its heap entry goes stale
             ref[block] += 1
         s.table = [node.block for node in path]
-        self._set_cursor(s, len(path))
-        s.num_tokens = s.limit = len(path) * bs
+        if lower:
+            s.loaded = self._load(lower)
+            s.table += [node.block for node in lower[: sum(s.loaded) // bs]]
+        elif lower is not None:
+            s.loaded = (0, 0)
+        self._set_cursor(s, len(s.table))
+        s.num_tokens = s.limit = len(s.table) * bs
         return s.num_tokens
 
     def _need_new(self, seq_id: str, num_tokens: int, token_ids: Sequence[int]) -> int:
         # match_prefix takes the matched blocks nobody holds out of the free count (cached
         # ones), shares the held ones for free; allocate then adds the blocks past the match.
         path = self._path(token_ids)
+        if self._stores is not None:  # a lower-tier hit takes an arena block, as a new one
+            path = self._on_device(path)
         cached = sum(self._ref[node.block] == 0 for node in path)
         return cached + max(0, blocks_for(num_tokens, self.block_size) - len(path))
 
@@ -212,26 +319,36 @@ class RadixAllocator(FreeListAllocator):
         node = nodes[table[i - 1]] if i else self._root
         self._clock = now = self._clock + 1
         bs, pack, children = self.block_size, self._pack, self._children
-        start = i * bs
+        start, uid, tiered = i * bs, self._uid, self._stores is not None
         while i < full:
-            block, key = table[i], pack(node.block, *token_ids[start : start + bs])
+            block, key = table[i], pack(node.uid, *token_ids[start : start + bs])
             child, mine = children.get(key), nodes.get(block)
             if child is None and mine is None:  # the common case: index the block
-                child = nodes[block] = children[key] = _Node(key, block, node, now)
+                child = nodes[block] = children[key] = _Node(
+                    key, block, node, now, uid if tiered else block
+                )
                 node.fanout += 1
+                if tiered:
+                    uid += 1
+                    self._indexed(child)
             elif child is not mine:
                 if mine is not None:
+                    self._uid = uid  # the nodes made before stay, with their uids
                     raise ValueError(
                         f"commit: token_ids disagree with the tokens cached in block "
                         f"{block}; commit the tokens that were written"
                     )
-                # The same tokens are cached in another block: this sequence keeps its own
-                # copy unindexed, which keeps the invariant above.
-                break
+                if child.tier:  # recomputed, not loaded: its block is now the device copy
+                    self._lift(child, block)
+                else:
+                    # The same tokens are cached in another block: this sequence keeps its
+                    # own copy unindexed, which keeps the invariant above.
+                    break
             child.last_access = now
             node = child
             i += 1
             start += bs
+        self._uid = uid
         s.cursor, s.commit_at = i, start + bs  # ``_set_cursor``, inlined
 
     def _after_trim(self, s: RadixState, dropped: list[int], old: int) -> None:
@@ -279,6 +396,8 @@ class RadixAllocator(FreeListAllocator):
     def _refill(self, count: int) -> None:
         """Evict the leaves the policy ranks first until the free list holds ``count``."""
         heap, free, nodes, evicted = self._candidates, self._free, self._nodes, 0
+        # Without tiers an evicted node leaves the tree; with them it stays, in a lower tier.
+        tiered, children = self._stores is not None, self._children
         need = count - self._on_free_list()
         while evicted < need:
             key = heap[0]
@@ -286,7 +405,9 @@ class RadixAllocator(FreeListAllocator):
             if node is None or node.entry != key:
                 heapq.heappop(heap)  # stale
                 continue
-            del nodes[node.block], self._children[node.key]
+            del nodes[node.block]
+            if not tiered:
+                del children[node.key]
             parent = node.parent
             parent.fanout -= 1
             free.append(node.block)
@@ -298,8 +419,146 @@ class RadixAllocator(FreeListAllocator):
                 heapq.heapreplace(heap, key)
             else:
                 heapq.heappop(heap)
+            if tiered:
+                node.entry = None
+                self._demote(node)
         self._num_cached -= evicted
         self._evictions += evicted
+
+    # -- lower tiers -------------------------------------------------------------------
+
+    def drain_tier_moves(self) -> list[TierMove]:
+        """``BlockAllocator.drain_tier_moves``: the moves emitted since the last call."""
+        if self._stores is None or not self._moves:
+            return []
+        moves, self._moves = self._moves, []
+        return moves
+
+    def lower_tier_hits(self, seq_id: str) -> tuple[int, int]:
+        """``BlockAllocator.lower_tier_hits``."""
+        return self._state(seq_id).loaded
+
+    def _indexed(self, node: _Node) -> None:
+        """A new device node (committed): known to its parent; written through if so."""
+        self._kids.setdefault(node.parent.uid, {})[node.uid] = node
+        if self._write_through:
+            self._write_down(node)
+
+    def _write_down(self, node: _Node) -> None:
+        """Write-through: a host copy of a device node's block, if the host tier has room."""
+        if self._room(HOST):
+            slot = self._backup[node.uid] = self._stores[HOST].put(node)
+            self._moves.append(TierMove("device", node.block, "host", slot))
+
+    def _load(self, lower: list[_Node]) -> tuple[int, int]:
+        """Bring the leading lower-tier nodes of a match into arena blocks (the device part
+        before them is held): a tier's run is loaded unless ``worth_loading`` declines it (then
+        it and the tiers below are recomputed), as far as free blocks allow. Each loaded
+        block is held by the matching sequence. Returns the tokens loaded per tier."""
+        bs, take = self.block_size, []
+        for tier in (HOST, DISK):
+            run = [node for node in lower if node.tier == tier]
+            worth = self._worth_loading
+            if run and worth is not None and not worth(TIERS[tier], len(run), len(run) * bs):
+                break
+            take += run
+        del take[self.num_free_blocks() :]
+        if not take:
+            return (0, 0)
+        self._pinned = {node.uid for node in take}  # no eviction below hands them down
+        if len(take) > self._on_free_list():
+            self._refill(len(take))
+        now, counts = self._clock, [0, 0, 0]
+        for node in take:
+            counts[node.tier] += bs
+            block = self._take()
+            self._moves.append(TierMove(TIERS[node.tier], node.block, "device", block))
+            self._lift(node, block)
+            node.last_access = now
+            node.hits += 1
+        self._pinned = set()
+        return counts[HOST], counts[DISK]
+
+    def _lift(self, node: _Node, block: int) -> None:
+        """A lower-tier node's KV is now in arena ``block`` (loaded, or recomputed by a
+        sequence that holds it). Write-through keeps a host slot as its copy."""
+        tier, slot = node.tier, node.block
+        if self._write_through and tier == HOST:
+            self._backup[node.uid] = slot
+        else:
+            self._stores[tier].release(slot)
+        node.tier, node.block, node.entry = DEVICE, block, None
+        self._nodes[block] = node
+        node.parent.fanout += 1
+        if self._write_through and node.uid not in self._backup:
+            self._write_down(node)
+
+    def _demote(self, node: _Node) -> None:
+        """The arena evicted ``node`` (its block is free): to the host tier, or dropped.
+        Write-through moves nothing (its host copy, if the host tier kept it, is the node's
+        KV; one it lost is dropped, as SGLang HiCache's write-through drops)."""
+        block = node.block
+        if self._write_through:
+            slot = self._backup.pop(node.uid, None)
+            if slot is None:
+                self._forget_subtree(node)
+            else:
+                node.tier, node.block = HOST, slot
+        elif self._room(HOST):
+            node.tier, node.block = HOST, self._stores[HOST].put(node)
+            self._moves.append(TierMove("device", block, "host", node.block))
+        else:
+            self._forget_subtree(node)
+
+    def _room(self, tier: int) -> bool:
+        """Make a slot free in ``tier``, evicting its first victim if it is full: a host copy
+        of a device node is let go, a node is handed to the next tier or dropped. False when
+        nothing there may go (every node a load in progress reads, or a parent of one)."""
+        store = self._stores[tier]
+        if not store.full():
+            return True
+        kids, pinned = self._kids, self._pinned
+
+        def eligible(slot: int, node: _Node) -> bool:
+            if node.tier == DEVICE:  # a write-through copy
+                return True
+            below = kids.get(node.uid)
+            return node.uid not in pinned and not (
+                below and any(kid.tier == tier for kid in below.values())
+            )
+
+        slot = store.victim(eligible)
+        if slot is None:
+            return False
+        node = store[slot]
+        if node.tier == DEVICE:
+            del self._backup[node.uid]
+            store.release(slot)
+        else:
+            self._sink(node)
+        return True
+
+    def _sink(self, node: _Node) -> None:
+        """A lower tier evicts ``node``: to the next tier if it has room, else dropped."""
+        tier, slot = node.tier, node.block
+        below = tier + 1 if tier + 1 < len(TIERS) else None
+        if below is not None and self._stores[below] is not None and self._room(below):
+            node.tier, node.block = below, self._stores[below].put(node)
+            self._moves.append(TierMove(TIERS[tier], slot, TIERS[below], node.block))
+            self._stores[tier].release(slot)
+        else:
+            self._forget_subtree(node)
+
+    def _forget_subtree(self, node: _Node) -> None:
+        """Forget ``node`` (off the device now) and its subtree, all in lower tiers."""
+        del self._kids[node.parent.uid][node.uid]
+        stack = [node]
+        while stack:
+            gone = stack.pop()
+            stack.extend(self._kids.pop(gone.uid, {}).values())
+            if gone.tier:
+                self._stores[gone.tier].release(gone.block)
+            del self._children[gone.key]
 
     def _cached_blocks(self) -> set[int]:
         return {block for block in self._nodes if self._ref[block] == 0}
@@ -313,16 +572,19 @@ class RadixAllocator(FreeListAllocator):
         live = {key & mask for key in self._candidates if self._live(key)}
         leaves = {b for b in self._cached_blocks() if not self._nodes[b].fanout}
         assert live == leaves, f"eviction candidates {sorted(live)} != cached leaves"
-        fanout = Counter(node.parent.block for node in self._nodes.values())
-        assert self._root.fanout == fanout[self._root.block], "children of the root"
-        assert len(self._children) == len(self._nodes), "child map and node map disagree"
+        fanout = Counter(node.parent.uid for node in self._nodes.values())
+        assert self._root.fanout == fanout[self._root.uid], "children of the root"
+        if self._stores is None:
+            assert len(self._children) == len(self._nodes), "child map and node map disagree"
+        else:
+            self._check_tiers()
         for block, node in self._nodes.items():
-            assert node.block == block and len(node.key) == 4 * (self.block_size + 1), block
-            assert self._children.get(node.key) is node, f"block {block} not a child"
+            assert node.block == block and len(node.key) == 4 * self.block_size + 8, block
+            assert node.tier == DEVICE and self._children.get(node.key) is node, block
             parent = node.parent
-            assert self._unpack(node.key)[0] == parent.block, f"block {block}: parent in key"
+            assert self._unpack(node.key)[0] == parent.uid, f"block {block}: parent in key"
             assert parent is self._root or self._nodes.get(parent.block) is parent, block
-            assert node.fanout == fanout[block], f"children of {block}"
+            assert node.fanout == fanout[node.uid], f"children of {block}"
             parent_held = parent is self._root or self._ref[parent.block] > 0
             assert parent_held or self._ref[block] == 0, f"held block {block} under a cached one"
         for seq_id, s in self._seqs.items():
@@ -331,3 +593,30 @@ class RadixAllocator(FreeListAllocator):
                 node = self._nodes.get(block)
                 assert node is not None and node.parent is parent, f"{seq_id}: not a tree path"
                 parent = node
+
+    def _check_tiers(self) -> None:
+        """Every node in exactly one tier (a write-through host copy of a device node aside),
+        tiers going down along every path, the stores holding what the nodes say."""
+        assert not self._pinned, "a load left nodes pinned"
+        kids = Counter(uid for uid, below in self._kids.items() for _ in below)
+        assert sum(kids.values()) == len(self._children), "kids map and child map disagree"
+        for node in self._children.values():
+            parent = node.parent
+            assert self._kids[parent.uid].get(node.uid) is node, f"node {node.uid}: not a kid"
+            assert node.tier >= parent.tier, f"node {node.uid} in a tier above its parent's"
+            if node.tier:
+                assert self._stores[node.tier][node.block] is node, f"node {node.uid}: slot"
+                assert node.uid not in self._backup, f"node {node.uid}: a copy off the device"
+            else:
+                assert self._nodes.get(node.block) is node, f"node {node.uid}: block"
+        for tier in (HOST, DISK):
+            store = self._stores[tier]
+            if store is None:
+                continue
+            store.check()
+            for slot, node in store.items():
+                resident = node.tier == tier and node.block == slot
+                copy_ = tier == HOST and node.tier == DEVICE and self._backup.get(node.uid) == slot
+                assert resident or copy_, f"{TIERS[tier]} slot {slot}: stale"
+                assert self._children.get(node.key) is node, f"{TIERS[tier]} slot {slot}: gone"
+        assert not self._backup or self._write_through, "host copies under write-back"

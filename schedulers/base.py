@@ -301,6 +301,7 @@ class Scheduler(ABC):
         out = SchedulerOutput()
         out.hold_until = self._hold_until(now)
         if out.hold_until is not None:
+            out.tier_moves = self.allocator.drain_tier_moves()  # write-through of a commit
             return out
         self._make_room(out)
         budget = self.max_num_batched_tokens
@@ -320,6 +321,7 @@ class Scheduler(ABC):
         if self.lookahead is not None:
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             self.lookahead.widen(out, budget, len(self.running) + self.watermark_blocks)
+        out.tier_moves = self.allocator.drain_tier_moves()  # lower KV tiers, in order
         return out
 
     def _stalled_by_parked(self) -> bool:
@@ -417,7 +419,9 @@ class Scheduler(ABC):
                 restored = self.restored.pop(seq.request_id)
                 out.swapped_in.append(write_back(self.allocator, seq, cached, restored))
             if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = cached
+                seq.num_cached_tokens = cached  # every tier's hit, of which lower tiers':
+                host, disk = self.allocator.lower_tier_hits(seq.request_id)
+                seq.num_cached_tokens_host, seq.num_cached_tokens_disk = host, disk
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             budget = self._add_row(out, seq, n, alloc, budget)

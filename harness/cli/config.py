@@ -22,7 +22,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-GROUPS = ("model", "allocator", "scheduler", "trace", "engine", "sampling")
+GROUPS = ("model", "allocator", "scheduler", "trace", "engine", "sampling", "kv_tier")
 OPTIONAL = ("speculative",)  # groups with no default
 # Top-level plain keys and the type each must have.
 SETTINGS = {
@@ -35,9 +35,9 @@ SETTINGS = {
 }
 # Arguments the harness passes when it builds a part, so the config must not set them.
 RUNTIME_ARGS = {
-    "allocator": {"num_blocks", "block_size"},
+    "allocator": {"num_blocks", "block_size", "kv_tier", "worth_loading"},
     "scheduler": {"allocator", "max_model_len", "num_lookahead_slots", "draft", "window"},
-    "engine": {"model", "allocator", "scheduler", "speculative"},
+    "engine": {"model", "allocator", "scheduler", "speculative", "kv_tier"},
     "sampling": {"max_tokens", "ignore_eos"},
 }
 # Keys of nodes without a _target_ that the run reads itself (it builds the trace from this).
@@ -73,8 +73,9 @@ def validate(cfg: DictConfig) -> None:
             "that builds the trace at trace.generator (see conf/trace/poisson.yaml)"
         )
     check_plain(cfg.trace, "trace", _references(cfg))
-    for group in ("model", "allocator", "scheduler", "engine", "sampling"):
+    for group in ("model", "allocator", "scheduler", "engine", "sampling", "kv_tier"):
         check_node(cfg[group], group, RUNTIME_ARGS.get(group, set()))
+    check_kv_tier(cfg)
     for group in OPTIONAL:
         if cfg.get(group) is not None:
             check_node(cfg[group], group, set())
@@ -93,6 +94,31 @@ def validate(cfg: DictConfig) -> None:
             "engine.num_blocks and engine.kv_cache_bytes: set exactly one, e.g. "
             "engine.num_blocks=null engine.kv_cache_bytes=67108864"
         )
+
+
+def check_kv_tier(cfg: DictConfig) -> None:
+    """Lower KV tiers sit under a prefix cache: only an allocator that keeps one takes them,
+    and a disk tier sits under a host tier."""
+    tier = cfg.kv_tier
+    host, disk = tier.get("host_blocks", 0), tier.get("disk_blocks", 0)
+    if host < 0 or disk < 0:
+        raise ConfigError(f"kv_tier.host_blocks={host}, kv_tier.disk_blocks={disk}: use >= 0")
+    if not (host or disk):
+        return
+    target = cfg.allocator._target_
+    if not getattr(get_object(target), "caches_prefixes", False):
+        raise ConfigError(
+            f"kv_tier keeps blocks the prefix cache evicts, and allocator {target} keeps no "
+            "prefix cache: use allocator=radix, or kv_tier=none"
+        )
+    if disk and not host:
+        raise ConfigError(
+            f"kv_tier.disk_blocks={disk} with kv_tier.host_blocks=0: the disk tier sits under "
+            "a host tier; set kv_tier.host_blocks >= 1"
+        )
+    ratio = tier.get("min_load_ratio", 1.0)
+    if ratio < 0:
+        raise ConfigError(f"kv_tier.min_load_ratio={ratio} must be >= 0")
 
 
 def check_node(node: DictConfig, path: str, runtime: set[str]) -> None:

@@ -14,6 +14,7 @@ interrupted sweep with its ``sweep_id`` completes only the missing jobs.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -113,12 +114,16 @@ def run(
         speculative = (
             build_component(cfg.speculative) if cfg.get("speculative") is not None else None
         )
+        kv_tier = build_component(cfg.kv_tier)
+        if kv_tier.dir is None:  # the disk tier's folder is made inside the run's
+            kv_tier = dataclasses.replace(kv_tier, dir=str(out))
         build = partial(
             build_component(cfg.engine),
             model,
             build_component(cfg.allocator),
             build_component(cfg.scheduler),
             speculative=speculative,
+            kv_tier=kv_tier,
         )
         engine = build()
     except (ValueError, OSError) as e:
@@ -132,6 +137,7 @@ def run(
         try:
             with _cut_said():
                 warm_up(engine, trace, cfg.warmup, sampling)
+            engine.close(discard=True)
             del engine
             gc.collect()
             engine = build()
@@ -149,6 +155,7 @@ def run(
         with _cut_said():
             sent = replay(engine, trace, sampling=sampling, progress=cfg.progress)
     except BaseException as e:
+        engine.close()
         log.error(
             "replay %s: writing the %d finished requests' rows to %s",
             "interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
@@ -159,6 +166,7 @@ def run(
         results.write_failure(out, e)
         raise
     wall_time = time.perf_counter() - started
+    engine.close()  # the disk tier's folder goes, unless kv_tier.keep
     requests, steps = _tables(engine)
     results.write_tables(out, requests, steps)
     summary = summarize(requests, steps, clock=engine.clock.name)

@@ -6,6 +6,7 @@ llm_engine     LLMEngine: the step loop (schedule, move blocks, run, sample, upd
 request_table  live sequences, completions (n > 1), beam searches, outputs owed
 intake         a request checked (RequestError), made and queued
 host_kv        block moves, host copies of KV, save targets, KV files; persistence: the format
+tier_kv        the lower KV tiers' bytes (kv_tier): host copies and disk files of blocks
 step_sampler   a step's logits into its tokens: verification, forks, beams' candidates
 step_state     what one step gathers as it goes
 outputs        logprobs in, RequestOutputs out

@@ -94,9 +94,11 @@ def build_engine(
     measured rate). ``seed``, ``record``, ``pipeline`` and ``logprobs_mode`` are
     ``LLMEngine``'s.
 
-    ``kv_tier``: lower KV tiers under the prefix cache (allocators/tiers.py). On the model
-    clock their moves are priced (harness/costmodel/tiers.py ``TierCost``: the profile's
-    host link, the device sheet's disk; a disk tier needs a profile that prices the disk)."""
+    ``kv_tier``: lower tiers under the prefix cache (the ``kv_tier`` group; a radix
+    allocator's): the target's allocator is built with them, never the draft's. The real
+    engine moves their bytes (harness/engine/tier_kv.py); on the model clock their moves are
+    priced (harness/costmodel/tiers.py ``TierCost``: the profile's host link, the device
+    sheet's disk; a disk tier needs a profile that prices the disk)."""
     if model.model is None and clock != "model":
         raise ValueError(
             f"model=shape ({model.name!r}) has no weights to run on engine.clock={clock}: "
@@ -161,9 +163,24 @@ def build_engine(
     tokenizer = model.tokenizer
     stopping = Stopping(model.eos_token_ids, tokenizer.decode if tokenizer is not None else None)
 
+    tiered = kv_tier is not None and kv_tier.enabled
+    if tiered and model.window_layers:
+        raise ValueError(
+            f"kv_tier: model {model.name!r} has sliding-window layers, whose scheduler reads "
+            "no prefix cache: use kv_tier=none"
+        )
+    if tiered and not allocator(num_blocks=1, block_size=block_size).caches_prefixes:
+        raise ValueError(
+            "kv_tier keeps blocks the prefix cache evicts, and this allocator keeps no prefix "
+            "cache: use the radix allocator, or kv_tier=none"
+        )
+    # the load-or-recompute rule: priced on the model clock, else every lower-tier hit loads
+    worth_loading = tier_cost.worth_loading if tier_cost is not None else None
+    tiers = {"kv_tier": kv_tier, "worth_loading": worth_loading} if tiered else {}
+
     def policy(num_blocks: int) -> Scheduler:
         return scheduler(
-            allocator(num_blocks=num_blocks, block_size=block_size),
+            allocator(num_blocks=num_blocks, block_size=block_size, **tiers),
             max_model_len=max_model_len,
             num_lookahead_slots=speculative.num_draft_tokens if speculative else 0,
             draft=allocator(num_blocks=num_blocks, block_size=block_size) if draft else None,
@@ -234,6 +251,7 @@ def build_engine(
         pipeline=pipeline,
         logprobs_mode=logprobs_mode,
         kv_format=kv_format,
+        kv_tier=kv_tier,
     )
 
 

@@ -10,8 +10,10 @@ save targets.
     save_prefix_cache   the radix allocator's whole prefix cache, one file per tree path
     restore_prefix_cache  a snapshot back into free blocks, cached and held by nobody
 
-``move_blocks`` applies a step's plan before its forward: swap-outs to host copies, block
-copies (the draft model's too), swap-ins from host copies. The scheduler places every block
+``move_blocks`` applies a step's plan before its forward: swap-outs to host copies, the
+prefix cache's moves to and from its lower tiers (``kv_tier``: harness/engine/tier_kv.py; on
+the model clock there is no ``TierKV`` and the moves are priced, not made), block copies (the
+draft model's too), swap-ins from host copies. The scheduler places every block
 (``claim_prefix`` / ``index_prefix`` for a snapshot) and hands over a kept request's block
 table when it stops (``take_released``); this part only moves KV between the arena, host
 memory and files.
@@ -23,6 +25,7 @@ import time
 import warnings
 from functools import cached_property
 from pathlib import Path
+from typing import NamedTuple
 
 from allocators.base import blocks_for
 from harness.engine import persistence
@@ -30,10 +33,18 @@ from harness.engine.kv_cache import HostBlocks, KVFormat
 from harness.engine.model_runner import Runner
 from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams
+from harness.engine.tier_kv import TierKV
 from harness.engine.window import WindowTables
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.prefix_snapshot import claim_prefix, index_prefix
+
+
+class Moved(NamedTuple):
+    """Seconds a step's block moves took: swaps (out and in) and the tier moves."""
+
+    swap_time: float = 0.0
+    tier_time: float = 0.0
 
 
 class HostKV:
@@ -47,6 +58,7 @@ class HostKV:
         kv_format: KVFormat,
         window: WindowTables | None = None,
         draft_runner: Runner | None = None,
+        tiers: TierKV | None = None,
     ) -> None:
         self.model = model
         self.scheduler = scheduler
@@ -54,6 +66,7 @@ class HostKV:
         self.kv_format = kv_format
         self.window = window  # a model's sliding-window rings move with its blocks
         self.draft_runner = draft_runner  # a draft model's arena (its block copies)
+        self.tiers = tiers  # the lower KV tiers' bytes (kv_tier), if any
         self._copies: dict[str, HostBlocks] = {}  # swapped-out and restored requests' KV
         self._save_to: dict[str, Path] = {}  # where a finishing request's KV goes
 
@@ -91,9 +104,9 @@ class HostKV:
         self._copies.pop(request_id, None)
         self._save_to.pop(request_id, None)
 
-    def move_blocks(self, plan: SchedulerOutput) -> float:
-        """Swap-outs, block copies, swap-ins: each block is read before a later op (or the
-        forward) reuses it. Returns the seconds the swaps took."""
+    def move_blocks(self, plan: SchedulerOutput) -> Moved:
+        """Swap-outs, tier moves, block copies, swap-ins: each block is read before a later op
+        (or the forward) reuses it. Returns the seconds the swaps and the tier moves took."""
         swap_time = 0.0
         if plan.swapped_out:
             start = time.perf_counter()
@@ -102,6 +115,11 @@ class HostKV:
                 if self.window is not None:
                     self.window.swap_out(s.seq.request_id, s.ring)
             swap_time += time.perf_counter() - start
+        tier_time = 0.0
+        if plan.tier_moves and self.tiers is not None:  # a load's block may be a copy's source
+            start = time.perf_counter()
+            self.tiers.apply(plan.tier_moves)
+            tier_time = time.perf_counter() - start
         self.runner.copy_blocks(plan.copies)  # a source may be a block a swap-in reuses
         if plan.draft_copies:  # only a draft model's KV moves
             self.draft_runner.copy_blocks(plan.draft_copies)
@@ -112,7 +130,7 @@ class HostKV:
                 if self.window is not None:
                     self.window.swap_in(s.seq.request_id, s.ring)
             swap_time += time.perf_counter() - start
-        return swap_time
+        return Moved(swap_time, tier_time)
 
     def restorable(
         self, request_id: str, path: str | Path, prompt: list[int], params: SamplingParams

@@ -32,10 +32,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from allocators.base import BlockAllocator
+from allocators.tiers import KVTier
 from harness.costmodel.work import StepWork
 from harness.engine.clock import Clock, VirtualClock
 from harness.engine.forks import Forks
-from harness.engine.host_kv import HostKV
+from harness.engine.host_kv import HostKV, Moved
 from harness.engine.intake import Intake, Params
 from harness.engine.kv_cache import UNQUANTIZED, KVArena, KVFormat
 from harness.engine.model_runner import Forward, ModelRunner, Row, Runner
@@ -49,6 +50,7 @@ from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode, Samplin
 from harness.engine.speculative import Proposer
 from harness.engine.step_sampler import StepSampler
 from harness.engine.step_state import StepState
+from harness.engine.tier_kv import TierKV
 from harness.engine.window import WindowTables
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
@@ -78,6 +80,7 @@ class LLMEngine:
         pipeline: bool = False,
         logprobs_mode: LogprobsMode = "raw_logprobs",
         kv_format: KVFormat = UNQUANTIZED,
+        kv_tier: KVTier | None = None,
     ) -> None:
         """``logprobs_mode`` (vLLM's, engine-wide as there): what ``SamplingParams.logprobs``
         report, raw (before any processing, the default) or processed (what the token was
@@ -88,6 +91,11 @@ class LLMEngine:
         rows and moves blocks (harness/engine/model_runner.py's ``Runner``); by default the
         model itself over an arena of ``allocator``'s blocks, stored in ``kv_format``
         (engine.kv_bits: 16, or quantized to 8 or 4 bits, harness/engine/kv_cache.py).
+
+        ``kv_tier``: the lower tiers under the radix allocator's prefix cache (built with
+        them), whose moves this engine makes (harness/engine/tier_kv.py: host copies, and
+        block files in a folder made inside ``kv_tier.dir``, or the system's temporary folder).
+        ``close`` removes that folder unless ``kv_tier.keep``.
 
         ``pipeline``: steps one deep (harness/engine/pipeline.py; off by default: on MLX's
         CPU build pipelined decode measured 1-25 % slower, side by side, docs/design.md)."""
@@ -139,7 +147,10 @@ class LLMEngine:
         self.lock = threading.RLock()
         self.requests = RequestTable()
         draft_runner = proposer.runner if proposer is not None and proposer.runs_model else None
-        self.host = HostKV(model, scheduler, runner, kv_format, window, draft_runner)
+        tiers = None
+        if kv_tier is not None and kv_tier.enabled:
+            tiers = TierKV(kv_tier, runner, lambda: self.host.kv_spec)
+        self.host = HostKV(model, scheduler, runner, kv_format, window, draft_runner, tiers)
         self.outputs = OutputProcessor(model, self.requests)
         self.forks = Forks(self.requests, scheduler, runner, window, self.outputs, self.recorder)
         self.sampler = StepSampler(self.requests, self.outputs, self.forks, logprobs_mode)
@@ -251,6 +262,13 @@ class LLMEngine:
         return [final[rid] for rid in ids]
 
     # -- KV files ------------------------------------------------------------------------
+    def close(self, discard: bool = False) -> None:
+        """Remove the disk tier's folder (``kv_tier``) now, unless it is kept (``discard``:
+        even then: a throwaway engine's); without a disk tier, nothing. A run calls it when
+        its replay ends."""
+        if self.host.tiers is not None:
+            self.host.tiers.close(discard)
+
     def save_prefix_cache(self, folder: str | Path) -> int:
         """Snapshot the radix allocator's prefix cache into ``folder`` (``HostKV``)."""
         with self.lock:
@@ -272,8 +290,8 @@ class LLMEngine:
             start, now = time.perf_counter(), self.clock.now()
             plan = self.scheduler.schedule(now)
             outputs = self._collect_owed(plan)
-            swap_time = self.host.move_blocks(plan)
-            outputs += self._step_fn(self, plan, start, now, swap_time)
+            moved = self.host.move_blocks(plan)
+            outputs += self._step_fn(self, plan, start, now, moved)
             self._wait_for_batch(plan, next_arrival)
             # One output per request: its completions progress together (n > 1).
             return list({out.request_id: out for out in outputs}.values())
@@ -320,7 +338,7 @@ class LLMEngine:
         plan: SchedulerOutput,
         start: float,
         now: float,
-        swap_time: float,
+        moved: Moved,
         step: StepState | None = None,
     ) -> list[RequestOutput]:
         """Launch the forward, take the step's memory figures while it computes, wait for
@@ -335,11 +353,11 @@ class LLMEngine:
             self.runner.wait([] if forward.logits is None else [forward.logits])
             step.waited += time.perf_counter() - waited
             outputs = self._postprocess(plan, forward, step)
-        self._record(plan, snapshot, now, swap_time, forward, work, step)
+        self._record(plan, snapshot, now, moved, forward, work, step)
         return outputs
 
     def _pipelined_step(
-        self, plan: SchedulerOutput, start: float, now: float, swap_time: float
+        self, plan: SchedulerOutput, start: float, now: float, moved: Moved
     ) -> list[RequestOutput]:
         """A step whose rows all sample on the device launches its forward and argmax and
         leaves the tokens there, reading the previous step's while it computes; any other
@@ -350,14 +368,14 @@ class LLMEngine:
             outputs = self._resolve(start, step)
             # A sequence that stopped on the token just read runs no more.
             plan = replace(plan, scheduled=[s for s in plan.scheduled if not s.seq.finished])
-            return outputs + self._plain_step(plan, start, now, swap_time, step)
+            return outputs + self._plain_step(plan, start, now, moved, step)
         forward, work = self._launch(plan, step, pipeline.tokens, on_device=True)
         snapshot = self._snapshot(plan, step)
         outputs = self._resolve(start, step)
         if forward is not None:
             pipeline.carry(plan, step.tokens)
             self._settle()
-        self._record(plan, snapshot, now, swap_time, forward, work, step)
+        self._record(plan, snapshot, now, moved, forward, work, step)
         return outputs
 
     def _resolve(self, start: float, step: StepState) -> list[RequestOutput]:
@@ -398,7 +416,7 @@ class LLMEngine:
         proposed = {seq: len(p.tokens) for seq, p in step.proposals.items()}
         return self.recorder.snapshot(stats, plan, proposed)
 
-    def _record(self, plan, snapshot, now, swap_time, forward, work, step: StepState) -> None:
+    def _record(self, plan, snapshot, now, moved, forward, work, step: StepState) -> None:
         """The step's row: the clock advances by its measured duration (or, on a model
         clock, by the price of its ``work``)."""
         duration = self.clock.advance(time.perf_counter() - step.start)
@@ -409,9 +427,10 @@ class LLMEngine:
             duration,
             forward_time=(forward.graph_time if forward else 0.0) + step.waited,
             build_time=forward.build_time if forward else 0.0,
-            swap_time=swap_time,
+            swap_time=moved.swap_time,
             verifications=step.verifications,
             work=work,
+            tier_time=moved.tier_time,
         )
 
     def _wait_for_batch(self, plan: SchedulerOutput, next_arrival: float | None) -> None:

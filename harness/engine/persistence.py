@@ -18,7 +18,9 @@ rows (harness/engine/kv_cache.py)::
       checksum     sha256 of the tensors' bytes, in name order
 
 The block layout is ``HostBlocks``'s (the arena's swap format): a change to it is a new
-``FORMAT``.
+``FORMAT``. A disk tier's block (``kv_tier``, harness/engine/tier_kv.py) is a file of this
+format with empty ``token_ids`` (``save_blocks``; its radix node knows the tokens), read back
+by ``load_blocks`` with the same checks but the token count.
 
 ``load`` refuses a file it cannot trust, raising ``KVFileError`` with one line that names the
 file and the reason: unreadable (missing, not safetensors, truncated), not a kvbench KV file,
@@ -137,6 +139,32 @@ def save(path: str | Path, spec: KVSpec, token_ids: Sequence[int], blocks: HostB
 def load(path: str | Path, spec: KVSpec) -> SavedKV:
     """Read and check a file written by ``save`` for ``spec``; ``KVFileError`` if it cannot
     be trusted (see the module docstring)."""
+    meta, arrays = _read(path, spec)
+    try:
+        token_ids = tuple(int(t) for t in json.loads(meta["token_ids"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise KVFileError(f"KV file {path} has no valid token_ids in its header") from e
+    if not token_ids:
+        raise KVFileError(f"KV file {path} holds no tokens")
+    blocks = blocks_for(len(token_ids), spec.block_size)
+    what = f" for its {len(token_ids)} tokens"
+    return SavedKV(token_ids, _blocks(path, spec, meta, arrays, blocks, what))
+
+
+def save_blocks(path: str | Path, spec: KVSpec, blocks: HostBlocks) -> None:
+    """Write KV blocks whose tokens the file does not name (a disk tier's block: its radix
+    node knows them), in ``save``'s format with an empty ``token_ids``."""
+    save(path, spec, (), blocks)
+
+
+def load_blocks(path: str | Path, spec: KVSpec, num_blocks: int) -> HostBlocks:
+    """Read and check ``num_blocks`` blocks written by ``save_blocks`` for ``spec``
+    (``KVFileError`` as ``load``)."""
+    return _blocks(path, spec, *_read(path, spec), num_blocks)
+
+
+def _read(path: str | Path, spec: KVSpec) -> tuple[dict[str, str], dict[str, mx.array]]:
+    """A KV file's header and tensors, its format, block size, KV format and model checked."""
     try:
         arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
     except (OSError, RuntimeError, ValueError) as e:
@@ -159,31 +187,36 @@ def load(path: str | Path, spec: KVSpec) -> SavedKV:
             f"KV file {path} was saved from another model ({meta.get('model')!r}: "
             f"{meta.get('fingerprint')}); this engine runs {spec.model!r}: {spec.fingerprint}"
         )
-    try:
-        token_ids = tuple(int(t) for t in json.loads(meta["token_ids"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise KVFileError(f"KV file {path} has no valid token_ids in its header") from e
-    num_blocks = blocks_for(len(token_ids), spec.block_size)
+    return meta, arrays
+
+
+def _blocks(
+    path: str | Path,
+    spec: KVSpec,
+    meta: dict[str, str],
+    arrays: dict[str, mx.array],
+    num_blocks: int,
+    what: str = "",
+) -> HostBlocks:
+    """A file's tensors as host blocks, if they are ``num_blocks`` blocks of every layer in
+    the engine's dtype and match their checksum (``what`` says why that many)."""
     layers = len(arrays) // 2
     names = [f"{kind}.{layer}" for kind in ("keys", "values") for layer in range(layers)]
-    if (
-        not token_ids
-        or sorted(names) != sorted(arrays)
-        or any(a.shape[0] != num_blocks or a.dtype != spec.dtype for a in arrays.values())
+    if sorted(names) != sorted(arrays) or any(
+        a.shape[0] != num_blocks or a.dtype != spec.dtype for a in arrays.values()
     ):
         raise KVFileError(
             f"KV file {path} does not hold {num_blocks} {_dtype_name(spec.dtype)} blocks per "
-            f"layer for its {len(token_ids)} tokens"
+            f"layer{what}"
         )
     bits = RAW_BITS[spec.dtype.size]
     raw = {name: np.array(a.view(bits)) for name, a in arrays.items()}
     if meta.get("checksum") != _checksum(raw):
         raise KVFileError(f"KV file {path} is corrupted: its tensors do not match its checksum")
-    host = HostBlocks(
+    return HostBlocks(
         [raw[f"keys.{layer}"] for layer in range(layers)],
         [raw[f"values.{layer}"] for layer in range(layers)],
     )
-    return SavedKV(token_ids, host)
 
 
 def _named(blocks: HostBlocks) -> dict[str, np.ndarray]:

@@ -69,6 +69,16 @@ def test_allocator_options_build(compose_cfg, name: str) -> None:
     allocator.check()
 
 
+@pytest.mark.parametrize("name", options("kv_tier"))
+def test_kv_tier_options_build_under_the_radix_allocator(compose_cfg, name: str) -> None:
+    cfg = compose_cfg(["allocator=radix", f"kv_tier={name}"])
+    validate(cfg)
+    kv_tier = instantiate(cfg.kv_tier)
+    assert kv_tier.enabled == (name != "none")
+    allocator = instantiate(cfg.allocator)(num_blocks=8, block_size=16, kv_tier=kv_tier)
+    assert allocator.drain_tier_moves() == []
+
+
 @pytest.mark.parametrize("name", options("scheduler"))
 def test_scheduler_options_build(compose_cfg, name: str) -> None:
     cfg = compose_cfg([f"scheduler={name}"])
@@ -220,6 +230,16 @@ def test_launcher_configs_name_an_importable_launcher(launcher: str) -> None:
         (["engine.kv_group_size=16"], r"engine\.kv_group_size=16 must be one of 32, 64, 128"),
         (["+allocator.num_blocks=4"], r"allocator\.num_blocks is set from the harness"),
         (["+scheduler.max_model_len=9"], r"scheduler\.max_model_len is set from engine\.max_m"),
+        (["kv_tier=host"], r"allocator allocators\.free_list\.FreeListAllocator keeps no prefix"),
+        (["allocator=radix", "+allocator.kv_tier=null"], r"allocator\.kv_tier is set from the h"),
+        (
+            ["allocator=radix", "kv_tier=host_disk", "kv_tier.host_blocks=0"],
+            r"kv_tier\.disk_blocks=8192 with kv_tier\.host_blocks=0.*host_blocks >= 1",
+        ),
+        (
+            ["allocator=radix", "kv_tier=host", "kv_tier.write_policy=later"],
+            r"kv_tier\.write_policy='later' must be one of 'write_back', 'write_through'",
+        ),
         (
             ["model._target_=harness.platform.models.no_such"],
             r"model\._target_=.*cannot be imported",

@@ -257,6 +257,7 @@ def test_two_runs_started_together_write_two_folders(tmp_path: Path) -> None:
         ("trace=file trace.path=/no/such.jsonl", r"trace\.path='/no/such\.jsonl' is not a file"),
         ("+allocator.blok_size=3", r"allocator\.blok_size is not a parameter.*no options"),
         ("allocator=radix allocator.eviction=nope", r"allocator\.eviction='nope' must be one of"),
+        ("kv_tier=host", r"kv_tier keeps blocks the prefix cache evicts.*use allocator=radix"),
         ("sampling.top_p=2", r"sampling\.top_p=2 is invalid: it must be in \(0, 1\]"),
         ("sampling=beam sampling.beam_width=0", r"sampling\.beam_width=0 is invalid: it must be"),
     ],
@@ -278,6 +279,22 @@ def test_a_run_that_completes_nothing_counts_requests_by_abort_reason(kvbench) -
         r"exceeds max_model_len=8\); see abort_reason in \S+requests\.parquet\n",
         proc.stderr,
     ), proc.stderr
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_disk_tier_leaves_its_folder_behind_only_when_kept(kvbench, tmp_path, keep) -> None:
+    kvbench(
+        "allocator=radix",
+        "kv_tier=host_disk",
+        "kv_tier.host_blocks=1",
+        "kv_tier.disk_blocks=16",
+        f"kv_tier.keep={keep}",
+        "engine.num_blocks=8",  # smoke's prompts need 2-3 blocks each: the cache evicts
+    )
+    (summary,) = tmp_path.glob("results/**/summary.json")
+    folders = list(summary.parent.glob("kv-tier-*"))
+    assert len(folders) == keep
+    assert not keep or list(folders[0].glob("block-*.safetensors"))
 
 
 def test_a_run_where_some_requests_abort_counts_them(kvbench) -> None:

@@ -88,6 +88,7 @@ HEADLINES = (
 # The lower KV tiers' figures (kv_tier), shown after COLUMNS when a run has tiers
 # (metrics.has_tiers), so a table without any is unchanged.
 TIER_COLUMNS = (
+    Column("prefix_hit_rate_device", "device hit", "%", 100, 1),
     Column("prefix_hit_rate_host", "host hit", "%", 100, 1),
     Column("prefix_hit_rate_disk", "disk hit", "%", 100, 1),
     Column("reachable_hits_recovered", "recovered", "%", 100, 1),

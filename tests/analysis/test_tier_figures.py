@@ -126,6 +126,7 @@ def test_kvbench_compare_shows_tier_columns_only_when_a_run_has_tiers(tmp_path, 
     assert [h for h in both.columns if "(" in h] == headers + [
         c.header for c in compare.TIER_COLUMNS
     ]
+    assert both.loc["kv_tier=host", "device hit (%)"] == pytest.approx(24.0)
     assert both.loc["kv_tier=host", "host hit (%)"] == pytest.approx(24.0)
     assert both.loc["kv_tier=host", "recovered (%)"] == pytest.approx(80.0)
     assert both.loc["kv_tier=host", "tier loaded (MiB)"] == pytest.approx(4.0)

@@ -100,6 +100,10 @@ class BlockAllocator(ABC):
     # A capability of the contract: committed blocks outlive their sequences and later
     # prompts match them (``cached_paths`` snapshots them); False, nothing is cached.
     caches_prefixes: bool = False
+    # Lower KV tiers under the prefix cache (kv_tier): then ``match_prefix`` has effects
+    # (it loads a lower tier's hits into the arena, evicting to make room), so a caller
+    # checks that a request fits before it looks its prefix up.
+    has_lower_tiers: bool = False
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = _check_count("num_blocks", num_blocks, 1)

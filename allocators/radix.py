@@ -157,6 +157,7 @@ class RadixAllocator(FreeListAllocator):
         self._stores: list[TierStore[_Node] | None] | None = None  # per tier; None: no tiers
         if kv_tier is not None and kv_tier.enabled:
             self._init_tiers(kv_tier, worth_loading)
+            self.has_lower_tiers = True
         self._num_cached = 0  # indexed blocks nobody holds
         self._candidates: list[int] = []  # heap of keys of unreferenced leaves
         self._block_bits = (num_blocks - 1).bit_length()  # a heap key's low bits: the block

@@ -3,6 +3,8 @@ run, the blocks it takes at admission, and the write-back of a KV file's blocks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from allocators.base import Allocation, BlockAllocator, blocks_for
 from schedulers.output import SwapIn
 from schedulers.request import Request, Status
@@ -20,6 +22,19 @@ def never_fits(seq: Request, max_model_len: int, alloc: BlockAllocator) -> str |
             "sequence can hold in the KV arena"
         )
     return None
+
+
+def fits(alloc: BlockAllocator, seq: Request, prefix: Sequence[int], keep: int) -> bool:
+    """Whether an incoming ``seq`` would get its blocks with ``keep`` left free, its
+    prefix-cache match on ``prefix`` counted, before anything is looked up: a lookup has
+    effects (it loads a lower tier's hits into the arena, kv_tier), which a request that
+    does not come in this step must not cause."""
+    rid = seq.request_id
+    whole = seq.num_computed_tokens if seq.status is Status.SWAPPED else seq.num_tokens
+    return (
+        alloc.can_allocate(rid, whole, prefix)
+        and alloc.num_free_blocks() - alloc.blocks_needed(rid, whole, prefix) >= keep
+    )
 
 
 def take_blocks(alloc: BlockAllocator, seq: Request, keep: int) -> Allocation | None:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 
 from allocators.base import Allocation, BlockAllocator, blocks_for
-from schedulers.admission import never_fits, take_blocks, write_back
+from schedulers.admission import fits, never_fits, take_blocks, write_back
 from schedulers.kv_groups import DraftKV, WindowRings
 from schedulers.limits import check_limits
 from schedulers.lookahead import Lookahead
@@ -382,14 +382,21 @@ class Scheduler(ABC):
             # Blocks still in the prefix cache come back without a copy (radix). A request
             # for prompt logprobs reads none of it: it needs logits at every prompt position.
             computed = seq.num_computed_tokens if swapped else seq.num_tokens
+            reads = swapped or self._reads_prefix_cache(seq)
+            prefix = seq.token_ids[: computed + 1] if reads else ()
+            keep = reserve + (self.watermark_blocks if self.running else 0)
+            # With lower tiers a lookup loads blocks: only for a request that comes in
+            lower = self.allocator.has_lower_tiers
+            comes_in = not lower or fits(self.allocator, seq, prefix, keep)
             cached = 0
-            if swapped or self._reads_prefix_cache(seq):
-                cached = self.allocator.match_prefix(seq.request_id, seq.token_ids[: computed + 1])
+            if comes_in and reads:
+                cached = self.allocator.match_prefix(seq.request_id, prefix)
             if not swapped:
                 seq.num_computed_tokens = max(cached, self.restored.get(seq.request_id, 0))
             n = 0 if swapped else self._chunk(seq, budget)
-            keep = reserve + (self.watermark_blocks if self.running else 0)
-            alloc = take_blocks(self.allocator, seq, keep) if n > 0 or swapped else None
+            alloc = (
+                take_blocks(self.allocator, seq, keep) if comes_in and (n > 0 or swapped) else None
+            )
             if alloc is None:
                 self.allocator.free(seq.request_id)  # drop the prefix references taken above
                 if not swapped:

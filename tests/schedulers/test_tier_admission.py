@@ -63,3 +63,39 @@ def test_without_tiers_the_plan_moves_nothing() -> None:
     sched.add(request("a", [1, 1, 2, 2]))
     sched.add(request("b", [3, 3, 4, 4, 5]))
     assert [step(sched).tier_moves for _ in range(2)] == [[], []]
+
+
+def test_a_request_that_does_not_come_in_loads_nothing() -> None:
+    """A lookup loads a lower tier's hits into the arena: the scheduler checks that the
+    request fits first, so a waiting request moves no block into the arena until the step
+    it comes in, and its host hits are counted as host hits then."""
+    alloc = RadixAllocator(num_blocks=5, block_size=2, kv_tier=KVTier(host_blocks=8))
+    sched = FCFSScheduler(alloc, max_num_seqs=4)
+
+    def decode_step() -> SchedulerOutput:
+        plan = sched.schedule(0.0)
+        for s in plan.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            sched.allocator.commit(seq.request_id, seq.token_ids[: seq.num_computed_tokens])
+            if seq.num_computed_tokens >= len(seq.token_ids):
+                seq.token_ids.append(7)
+                if len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens:
+                    sched.finish(seq)
+        return plan
+
+    long = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    sched.add(request("a", [1, 1, 1, 1, 9]))
+    decode_step()  # a finishes: its blocks (1, 1), (1, 1) stay cached
+    sched.add(request("y", [3] * 9))
+    decode_step()  # y's 5 blocks send a's two to the host tier
+    sched.add(Seq("x", [5] * 6, long, arrival_time=0.0))  # holds 3-4 blocks for 5 steps
+    decode_step()
+    sched.add(b := request("b", [1, 1, 1, 1, 6, 6, 6]))  # a's two blocks, then its own
+    waited = []
+    while b.num_cached_tokens is None:
+        waited.append(kinds(decode_step()))
+    # b came in on the last of these steps: only then were a's blocks loaded
+    assert len(waited) > 1 and all(("host", "device") not in m for m in waited[:-1]), waited
+    assert waited[-1].count(("host", "device")) == 2
+    assert (b.num_cached_tokens, b.num_cached_tokens_host, b.num_cached_tokens_disk) == (4, 4, 0)

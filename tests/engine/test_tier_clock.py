@@ -16,7 +16,7 @@ from functools import partial
 import pytest
 from test_model_clock import greedy, toy_profile
 
-from allocators.free_list import FreeListAllocator
+from allocators.radix import RadixAllocator
 from allocators.tiers import KVTier, TierMove
 from harness.analysis.metrics import STEP_COLUMNS
 from harness.costmodel.profile import ProfileError, load
@@ -109,7 +109,7 @@ def replay(model, tmp_path, moves, kv_tier: KVTier | None) -> tuple[list[float],
     profile = toy_profile(model, tmp_path, moves={"block_copies": 0.0, "swap_blocks": SWAP})
     engine = build_engine(
         model,
-        FreeListAllocator,
+        RadixAllocator,  # tiers are a prefix cache's; one request in 64 blocks evicts nothing
         partial(MovingScheduler, max_num_seqs=8, moves=moves),
         num_blocks=64,
         clock="model",
@@ -181,7 +181,7 @@ def test_a_disk_tier_on_a_profile_without_a_disk_is_refused_in_one_line(model, t
     with pytest.raises(ProfileError, match=r"kv_tier\.disk_blocks needs a roofline profile"):
         build_engine(
             model,
-            FreeListAllocator,
+            RadixAllocator,
             partial(FCFSScheduler, max_num_seqs=8),
             num_blocks=64,
             clock="model",

@@ -118,10 +118,13 @@ _TIER_STEP_COLUMNS = tuple(
     for verb in ("loaded", "written")
     for tier in ("host", "disk")
 )
+# a model without sliding-window layers counts 0 (costmodel.work.WINDOW)
+_WINDOW_STEP_COLUMNS = ("window_kv_slots_read", "window_attention_pairs", "window_swap_blocks")
 ADDED_COLUMNS: dict[str, dict[str, str | int | float]] = {
     "requests": {"cached_tokens_device": "cached_tokens", "cached_tokens_host": 0,
                  "cached_tokens_disk": 0},
-    "steps": {**dict.fromkeys(_TIER_STEP_COLUMNS, 0), "tier_time": 0.0},
+    "steps": {**dict.fromkeys(_TIER_STEP_COLUMNS, 0), "tier_time": 0.0,
+              **dict.fromkeys(_WINDOW_STEP_COLUMNS, 0)},
 }  # fmt: skip
 REQUEST_COLUMNS: tuple[str, ...] = tuple(REQUEST_SCHEMA)
 STEP_COLUMNS: tuple[str, ...] = tuple(STEP_SCHEMA)

@@ -106,9 +106,9 @@ class StepWork:
     @classmethod
     def from_row(cls, row: Mapping[str, int]) -> StepWork:
         """A recorded step's work: a steps-table row (a mapping of its columns). A row
-        recorded before the window columns existed holds none: 0, as for a model without
-        sliding-window layers."""
-        return cls(**{n: int(row.get(n, 0) if n in WINDOW else row[n]) for n in COLUMNS})
+        recorded before the window or the tier columns existed (``ADDED``) holds none: 0,
+        as for a model without sliding-window layers and a cache without lower tiers."""
+        return cls(**{n: int(row.get(n, 0) if n in ADDED else row[n]) for n in COLUMNS})
 
     @property
     def kind(self) -> str:
@@ -144,6 +144,13 @@ COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(StepWork))
 # ``window_swaps`` operators), not among ``PRICED``: a measured profile's fit has no term
 # for them.
 WINDOW: tuple[str, ...] = ("window_kv_slots_read", "window_attention_pairs", "window_swap_blocks")
+# The lower KV tiers' moves (kv_tier), by tier: not priced by a profile's fit either.
+TIERS: tuple[str, ...] = tuple(
+    f"{tier}_blocks_{verb}" for verb in ("loaded", "written") for tier in ("host", "disk")
+)
+# Columns added after steps tables were first written (harness.analysis.metrics'
+# ADDED_COLUMNS reads them as 0 alike).
+ADDED: tuple[str, ...] = WINDOW + TIERS
 
 
 def window_blocks_read(start: int, window: int, block_size: int) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 from harness.costmodel.profile import Profile
 from harness.costmodel.shape import from_config, read_config
 from harness.costmodel.tiers import TierCost
-from harness.costmodel.work import StepWork
+from harness.costmodel.work import TIERS, StepWork
 from harness.engine.clock import VirtualClock
 from harness.engine.model_runner import Forward, Row, forward_work, group_rows
 from harness.engine.speculative import Proposal, RowFor
@@ -65,7 +65,7 @@ def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True
     (none without a ``draft_model``: n-gram lookup)."""
     drafts = [s for s in plan.scheduled if s.num_draft_tokens] if draft_model else []
     swapped = plan.swapped_out or plan.swapped_in  # most steps move nothing: no pass then
-    moved = dict.fromkeys(_TIER_COUNTS, 0) if plan.tier_moves else {}
+    moved = dict.fromkeys(TIERS, 0) if plan.tier_moves else {}
     for move in plan.tier_moves:
         if move.dst_tier == "device":
             moved[f"{move.src_tier}_blocks_loaded"] += 1
@@ -93,14 +93,6 @@ def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True
         draft_tokens=sum(_draft_fed(s) for s in drafts),
         **moved,
     )
-
-
-_TIER_COUNTS = (
-    "host_blocks_loaded",
-    "disk_blocks_loaded",
-    "host_blocks_written",
-    "disk_blocks_written",
-)
 
 
 def _draft_fed(s: Scheduled) -> int:

@@ -18,6 +18,7 @@ from harness.analysis.metrics import (
     steps_frame,
     summarize,
 )
+from harness.costmodel.work import StepWork
 
 MIB = 2**20  # a block's bytes here: the MiB figures are the blocks
 TIER_KEYS = (
@@ -132,3 +133,16 @@ def test_kvbench_compare_shows_tier_columns_only_when_a_run_has_tiers(tmp_path, 
     assert both.loc["kv_tier=host", "tier loaded (MiB)"] == pytest.approx(4.0)
     assert both.loc["kv_tier=none", "tier written (MiB)"] == 0.0
     assert math.isnan(both.loc["kv_tier=none", "recovered (%)"])  # not in its summary
+
+
+def test_a_steps_table_from_before_the_window_and_tier_columns_still_loads():
+    """A table recorded before the sliding-window and tier columns existed reads them as 0,
+    in the results' reader and in a step's work alike (a model without window layers, a
+    cache without lower tiers)."""
+    added = ("window_kv_slots_read", "window_attention_pairs", "window_swap_blocks",
+             "host_blocks_loaded", "host_bytes_written", "tier_time")  # fmt: skip
+    old = [{k: v for k, v in _step(0, 0, 0, 0, 0).items() if k not in added}]
+    steps = steps_frame(old)
+    assert all((steps[c] == 0).all() for c in added)
+    work = StepWork.from_row(old[0])
+    assert (work.window_swap_blocks, work.host_blocks_loaded) == (0, 0)

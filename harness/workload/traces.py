@@ -108,12 +108,14 @@ def random_prompts(
     how a draw is split), so no 8-byte copy of a whole trace's tokens is ever held."""
     out: list[array] = []
     batch: list[int] = []
+    total = 0  # sum(batch)
     for n in [*map(int, lengths), None]:
-        if batch and (n is None or sum(batch) + n > _DRAW):
-            out += token_arrays(rng.integers(1, vocab_size, sum(batch)), batch, vocab_size)
-            batch = []
+        if batch and (n is None or total + n > _DRAW):
+            out += token_arrays(rng.integers(1, vocab_size, total), batch, vocab_size)
+            batch, total = [], 0
         if n is not None:
             batch.append(n)
+            total += n
     return out
 
 

@@ -70,9 +70,10 @@ from allocators.tier_store import TierStore
 from allocators.tiers import TIERS, KVTier, Tier, TierMove
 
 DEVICE, HOST, DISK = range(3)  # a node's ``tier``: an index into ``TIERS``
-# Whether loading ``num_blocks`` blocks (``num_tokens`` tokens) from a tier beats recomputing
-# them; the builder prices it from the profile (kv_tier.min_load_ratio).
-WorthLoading = Callable[[Tier, int, int], bool]
+# Whether loading ``num_blocks`` blocks (``num_tokens`` tokens, after ``start`` tokens of the
+# prompt) from a tier beats recomputing them; the builder prices it from the profile
+# (kv_tier.min_load_ratio).
+WorthLoading = Callable[[Tier, int, int, int], bool]
 
 
 class _Node:
@@ -279,7 +280,7 @@ class RadixAllocator(FreeListAllocator):
             ref[block] += 1
         s.table = [node.block for node in path]
         if lower:
-            s.loaded = self._load(lower)
+            s.loaded = self._load(lower, len(path) * self.block_size)
             s.table += [node.block for node in lower[: sum(s.loaded) // bs]]
         elif lower is not None:
             s.loaded = (0, 0)
@@ -451,16 +452,17 @@ class RadixAllocator(FreeListAllocator):
             slot = self._backup[node.uid] = self._stores[HOST].put(node)
             self._moves.append(TierMove("device", node.block, "host", slot))
 
-    def _load(self, lower: list[_Node]) -> tuple[int, int]:
+    def _load(self, lower: list[_Node], start: int) -> tuple[int, int]:
         """Bring the leading lower-tier nodes of a match into arena blocks (the device part
-        before them is held): a tier's run is loaded unless ``worth_loading`` declines it (then
-        it and the tiers below are recomputed), as far as free blocks allow. Each loaded
-        block is held by the matching sequence. Returns the tokens loaded per tier."""
+        before them, ``start`` tokens, is held): a tier's run is loaded unless
+        ``worth_loading`` declines it (then it and the tiers below are recomputed), as far as
+        free blocks allow. Each loaded block is held by the matching sequence. Returns the
+        tokens loaded per tier."""
         bs, take = self.block_size, []
         for tier in (HOST, DISK):
             run = [node for node in lower if node.tier == tier]
-            worth = self._worth_loading
-            if run and worth is not None and not worth(TIERS[tier], len(run), len(run) * bs):
+            worth, at = self._worth_loading, start + len(take) * bs
+            if run and worth is not None and not worth(TIERS[tier], len(run), len(run) * bs, at):
                 break
             take += run
         del take[self.num_free_blocks() :]

@@ -323,11 +323,14 @@ def decode_step(batch: int, context: int, block_size: int, window: int | None = 
     )
 
 
-def prefill_step(tokens: int, block_size: int, window: int | None = None) -> StepWork:
-    """One prompt of ``tokens`` from position 0, logits for its last position; with
-    ``window``, a sliding-window layer reads one (empty) ring block and scores the prompt's
-    queries against it and the prompt's keys, as the engine's forward does."""
-    keys = -(-tokens // block_size) * block_size
+def prefill_step(
+    tokens: int, block_size: int, window: int | None = None, start: int = 0
+) -> StepWork:
+    """One prompt of ``tokens`` from position ``start`` (a chunk after ``start`` computed
+    tokens; 0: a whole prompt), logits for its last position; with ``window``, a
+    sliding-window layer reads one (empty) ring block and scores the prompt's queries against
+    it and the prompt's keys, as the engine's forward does (``start`` 0 only)."""
+    keys = -(-(start + tokens) // block_size) * block_size
     ring = _ring_slots(0, window, block_size)
     return StepWork(
         batch_size=1,
@@ -335,7 +338,7 @@ def prefill_step(tokens: int, block_size: int, window: int | None = None) -> Ste
         query_tokens_padded=tokens,
         attention_pairs=tokens * keys,
         kv_slots_read=keys,
-        kv_slots_attended=tokens,
+        kv_slots_attended=start + tokens,
         window_kv_slots_read=ring,
         window_attention_pairs=tokens * (ring + tokens) if window else 0,
         logit_rows=1,

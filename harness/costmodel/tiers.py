@@ -29,13 +29,14 @@ disk tier (a host block handed down) the disk. Per step (``step_seconds``):
                 what the previous step's computation does not hide:
                 max(0, loads - previous step's price)
 
-Load or recompute (``worth_loading``): n blocks holding t prompt tokens are loaded only if
-recomputing those tokens costs at least ``min_load_ratio`` x their load. Recomputing them
-costs what they add to a prefill step: the profile's price of a prefill of the t tokens
-from position 0 (roofline.py ``prefill_step``) less that of the same step without them (its
-fixed part: the weights read once, the intercept, the LM head's row), which the request's
-own prefill pays anyway. SGLang's ``HiRadixCache`` refuses a load back shorter than a fixed
-``load_back_threshold`` (10 tokens) instead.
+Load or recompute (``worth_loading``): n blocks holding t prompt tokens after s computed ones
+are loaded only if recomputing those tokens costs at least ``min_load_ratio`` x their load.
+Recomputing them costs what they add to a prefill step: the profile's price of a chunk of the
+t tokens after the s before them (roofline.py ``prefill_step``: their queries attend to all
+s + t keys) less that of a step without them (its fixed part: the weights read once, the
+intercept, the LM head's row), which the request's own prefill pays anyway. SGLang's
+``HiRadixCache`` refuses a load back shorter than a fixed ``load_back_threshold`` (10 tokens)
+instead.
 """
 
 from __future__ import annotations
@@ -124,16 +125,18 @@ class TierCost:
             loads = max(0.0, loads - previous)
         return writes + loads
 
-    def recompute_seconds(self, num_tokens: int) -> float:
-        """What ``num_tokens`` prompt tokens from position 0 add to a prefill step."""
+    def recompute_seconds(self, num_tokens: int, start: int = 0) -> float:
+        """What ``num_tokens`` prompt tokens after ``start`` computed ones add to a prefill
+        step: their queries attend to the ``start`` tokens before them too."""
         price, block_size = self.profile.predict, self.block_size
-        full, empty = prefill_step(num_tokens, block_size), prefill_step(0, block_size)
-        return max(0.0, price(full) - price(empty))
+        full = prefill_step(num_tokens, block_size, start=start)
+        return max(0.0, price(full) - price(prefill_step(0, block_size)))
 
-    def worth_loading(self, tier: Tier, num_blocks: int, num_tokens: int) -> bool:
-        """Load ``num_blocks`` of ``tier`` holding ``num_tokens`` tokens rather than compute
-        them: recomputing costs at least ``min_load_ratio`` x loading."""
-        recompute = self.recompute_seconds(num_tokens)
+    def worth_loading(self, tier: Tier, num_blocks: int, num_tokens: int, start: int = 0) -> bool:
+        """Load ``num_blocks`` of ``tier`` holding ``num_tokens`` tokens, after ``start``
+        tokens of the prompt, rather than compute them: recomputing costs at least
+        ``min_load_ratio`` x loading."""
+        recompute = self.recompute_seconds(num_tokens, start)
         return recompute >= self.min_load_ratio * self.load_seconds(tier, num_blocks)
 
     def _disk(self) -> float:

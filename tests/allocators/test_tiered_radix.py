@@ -137,7 +137,7 @@ def test_write_through_writes_at_commit_and_evicts_for_free() -> None:
 def test_a_declined_load_is_recomputed_and_its_block_becomes_the_node() -> None:
     asked = []
 
-    def worth_loading(tier: str, num_blocks: int, num_tokens: int) -> bool:
+    def worth_loading(tier: str, num_blocks: int, num_tokens: int, start: int) -> bool:
         asked.append((tier, num_blocks, num_tokens))
         return False
 
@@ -181,7 +181,7 @@ class TieredMachine(RuleBasedStateMachine):
                 disk_blocks=self.disk,
                 write_policy="write_through" if self.write_through else "write_back",
             ),
-            worth_loading=lambda tier, n, tokens: tier not in self.decline,
+            worth_loading=lambda tier, n, tokens, start: tier not in self.decline,
         )
         self.store: dict[tuple[str, int], tuple[int, ...]] = {}  # (tier, slot) -> its prefix
         self.tokens: dict[str, list[int]] = {}  # what each live sequence has written

@@ -123,6 +123,25 @@ def test_recomputing_tokens_costs_what_they_add_to_a_prefill(tmp_path):
     assert TierCost.of(roofline(), BLOCK_BYTES, 4).recompute_seconds(8) == pytest.approx(0.008)
 
 
+def test_recomputing_tokens_deep_in_a_prompt_costs_their_attention_to_the_tokens_before():
+    """The hand-made roofline plus attention at 1e5 FLOPs a (query, key) pair (0.1 ms). 8
+    tokens (block 4) from position 0: 8 ms of linear + 8 x 8 pairs = 6.4 ms. After 8 tokens
+    of the prompt: their queries read 16 keys, 8 x 16 pairs = 12.8 ms: 20.8 ms in all."""
+    base = roofline()
+    data = {**base.data, "roofline": {**base.data["roofline"]}}
+    data["roofline"]["operators"] = {
+        **base.data["roofline"]["operators"],
+        "attention": {"compute": {"attention_pairs": 1e5}},
+    }
+    cost = TierCost.of(RooflineProfile("toy.json", data), BLOCK_BYTES, 4)
+    assert cost.recompute_seconds(8) == pytest.approx(0.0144)
+    assert cost.recompute_seconds(8, start=8) == pytest.approx(0.0208)
+    # 2 host blocks load in 4 ms: at a ratio of 4, worth it only deep in the prompt
+    ratio = TierCost.of(RooflineProfile("toy.json", data), BLOCK_BYTES, 4, min_load_ratio=4)
+    assert not ratio.worth_loading("host", 2, 8, start=0)  # 14.4 < 16
+    assert ratio.worth_loading("host", 2, 8, start=8)  # 20.8 >= 16
+
+
 @pytest.mark.parametrize(
     ("tier", "ratio", "worth"),
     [

@@ -65,8 +65,7 @@ def sample(
 ) -> list[Sampled]:
     """Pick one token per row of ``logits`` [len(rows), vocab]; logprobs per ``logprobs_mode``
     for the rows that ask for them."""
-    simple = all(r.params.greedy and not r.params.penalised and not r.banned for r in rows)
-    if simple and not any(r.params.logprobs is not None for r in rows):
+    if all(r.params.argmax and not r.banned for r in rows):  # SamplingParams.argmax's case
         return [Sampled(t) for t in argmax_tokens(logits)]
     xp = mx if mx.default_device().type == mx.DeviceType.gpu else np
     table = logits.astype(mx.float32)

@@ -150,3 +150,14 @@ def run_kvbench(*args: str, cwd: Path, check: bool = True) -> subprocess.Complet
     if check and proc.returncode != 0:
         raise AssertionError(f"kvbench {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def run_alone(engine: LLMEngine, request_id: str, prompt, params, **kv) -> list[int]:
+    """One request to completion (others the engine holds run too); its output tokens."""
+    engine.add_request(request_id, prompt, params, **kv)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                final = out
+    return final.outputs[0].token_ids

@@ -9,6 +9,7 @@ import hashlib
 
 import numpy as np
 import pytest
+from support import run_alone
 
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
@@ -48,13 +49,7 @@ def watch(engine) -> list[TierMove]:
 
 def run(engine, request_id: str, prompt: list[int]) -> list[int]:
     """One request to completion, alone; its output tokens."""
-    engine.add_request(request_id, prompt, greedy())
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == request_id and out.finished:
-                final = out
-    return final.outputs[0].token_ids
+    return run_alone(engine, request_id, prompt, greedy())
 
 
 def conversations(seed: int = 0) -> list[list[int]]:

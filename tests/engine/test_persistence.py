@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 import pytest
 from reference import mlx_lm_tokens
-from support import ALLOCATORS
+from support import ALLOCATORS, run_alone
 
 from allocators.base import blocks_for
 from allocators.free_list import FreeListAllocator
@@ -40,13 +40,7 @@ def make_engine(
 
 def run(engine, request_id, prompt, n, **kv) -> list[int]:
     """One request to completion; its output tokens."""
-    engine.add_request(request_id, prompt, greedy(n), **kv)
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == request_id and out.finished:
-                final = out
-    return final.outputs[0].token_ids
+    return run_alone(engine, request_id, prompt, greedy(n), **kv)
 
 
 def prefill(engine) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 
 from allocators.base import BlockAllocator
-from schedulers.admission import never_fits
+from schedulers.admission import fits, never_fits
 from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.request import Request, Status
 
@@ -106,16 +106,12 @@ class PriorityScheduler(Scheduler):
 
     def _fits_by_count(self, head: Request) -> bool:
         """The cheap test first: ``head`` fits now, the others' decodes counted."""
-        alloc, rid = self.allocator, head.request_id
         whole = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
         swapped = head.status is Status.SWAPPED
         prefix = head.token_ids[: whole + 1] if swapped or self._reads_prefix_cache(head) else ()
         growth = sum(self._decode_blocks(s) for s in self.running)
-        return (
-            len(self.running) < self.max_num_seqs
-            and alloc.can_allocate(rid, whole, prefix)
-            and alloc.num_free_blocks() - growth - alloc.blocks_needed(rid, whole, prefix)
-            >= self.watermark_blocks
+        return len(self.running) < self.max_num_seqs and fits(
+            self.allocator, head, prefix, self.watermark_blocks + growth
         )
 
     def _comes_in(self, head: Request, victims: list[Request]) -> bool:

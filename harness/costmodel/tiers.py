@@ -115,6 +115,13 @@ class TierCost:
     def step_seconds(self, work: StepWork, previous: float) -> float:
         """The time ``work``'s tier moves add to its step, after a step priced ``previous``
         seconds: writes in full, loads in full or (``prefetch``) what ``previous`` hides not."""
+        if not (
+            work.host_blocks_written
+            or work.host_blocks_loaded
+            or work.disk_blocks_written
+            or work.disk_blocks_loaded
+        ):
+            return 0.0  # most steps move nothing
         writes = self.write_seconds("host", work.host_blocks_written)
         if work.disk_blocks_written:
             writes += self.write_seconds("disk", work.disk_blocks_written)

@@ -229,8 +229,6 @@ class Recorder:
             host_bytes_written=work.host_blocks_written * size,
             disk_bytes_written=work.disk_blocks_written * size,
             tier_time=tier_time,
-        )
-        row.update(
             step=self._num_steps,
             start_time=start,
             duration=duration,

@@ -151,7 +151,9 @@ class RadixAllocator(FreeListAllocator):
         self._priority = EVICTION[eviction]
         self._root = _Node(b"", -1, None, 0, -1)
         self._uid = 0  # the next node's uid (with lower tiers)
-        self._nodes: dict[int, _Node] = {}  # indexed block (on the device) -> its node
+        # Indexed block (on the device) -> its node, None for any other block: a list, 8
+        # bytes a block up to the highest indexed one (a dict entry costs ~40), grown by use.
+        self._nodes: list[_Node | None] = []
         self._children: dict[bytes, _Node] = {}  # node.key -> node, for every node
         key = struct.Struct(f"=q{block_size}i")  # (parent uid, *tokens) -> key, and back
         self._pack, self._unpack = key.pack, key.unpack
@@ -207,7 +209,7 @@ class RadixAllocator(FreeListAllocator):
         """Every root-to-leaf path of the tree on the device (held or not): the tokens it
         spells and its blocks, in token order. A snapshot of the arena's prefix cache."""
         below: dict[int, list[_Node]] = {}  # parent uid -> its children on the device
-        for node in self._nodes.values():
+        for node in self._device_nodes():
             below.setdefault(node.parent.uid, []).append(node)
         paths, stack = [], [(self._root, (), [])]
         while stack:
@@ -322,13 +324,15 @@ class RadixAllocator(FreeListAllocator):
         self._clock = now = self._clock + 1
         bs, pack, children = self.block_size, self._pack, self._children
         start, uid, tiered = i * bs, self._uid, self._stores is not None
+        known = len(nodes)  # blocks the block map covers
         while i < full:
             block, key = table[i], pack(node.uid, *token_ids[start : start + bs])
-            child, mine = children.get(key), nodes.get(block)
+            child, mine = children.get(key), nodes[block] if block < known else None
             if child is None and mine is None:  # the common case: index the block
-                child = nodes[block] = children[key] = _Node(
-                    key, block, node, now, uid if tiered else block
-                )
+                child = children[key] = _Node(key, block, node, now, uid if tiered else block)
+                if block >= known:
+                    known = self._cover(block)
+                nodes[block] = child  # ``_index``, inlined
                 node.fanout += 1
                 if tiered:
                     uid += 1
@@ -364,14 +368,15 @@ class RadixAllocator(FreeListAllocator):
 
     def _needs_copy(self, block: int) -> bool:
         # Indexed KV must stay immutable: later matches read it.
-        return self._ref[block] > 1 or block in self._nodes
+        nodes = self._nodes  # ``_node_of``, inlined: on every growth past a block
+        return self._ref[block] > 1 or (block < len(nodes) and nodes[block] is not None)
 
     # -- caching and eviction ----------------------------------------------------------
 
     def _on_unreferenced(self, blocks: list[int]) -> None:
         nodes, free, cached = self._nodes, self._free, 0
         for block in blocks:
-            node = nodes.get(block)
+            node = nodes[block] if block < len(nodes) else None
             if node is None:
                 free.append(block)
                 continue
@@ -387,7 +392,7 @@ class RadixAllocator(FreeListAllocator):
 
     def _live(self, key: int) -> bool:
         """Whether a heap key is its node's live entry (not stale)."""
-        node = self._nodes.get(key & self._block_mask)
+        node = self._node_of(key & self._block_mask)
         return node is not None and node.entry == key
 
     def _push(self, node: _Node) -> None:
@@ -403,11 +408,12 @@ class RadixAllocator(FreeListAllocator):
         need = count - self._on_free_list()
         while evicted < need:
             key = heap[0]
-            node = nodes.get(key & self._block_mask)
+            block = key & self._block_mask
+            node = nodes[block] if block < len(nodes) else None
             if node is None or node.entry != key:
                 heapq.heappop(heap)  # stale
                 continue
-            del nodes[node.block]
+            nodes[block] = None
             if not tiered:
                 del children[node.key]
             parent = node.parent
@@ -491,7 +497,7 @@ class RadixAllocator(FreeListAllocator):
         else:
             self._stores[tier].release(slot)
         node.tier, node.block, node.entry = DEVICE, block, None
-        self._nodes[block] = node
+        self._index(node)
         node.parent.fanout += 1
         if self._write_through and node.uid not in self._backup:
             self._write_down(node)
@@ -563,8 +569,29 @@ class RadixAllocator(FreeListAllocator):
                 self._stores[gone.tier].release(gone.block)
             del self._children[gone.key]
 
+    def _index(self, node: _Node) -> None:
+        """``node`` is on the device, in its block: the block map knows it."""
+        if node.block >= len(self._nodes):
+            self._cover(node.block)
+        self._nodes[node.block] = node
+
+    def _cover(self, block: int) -> int:
+        """Grow the block map over ``block`` (by doubling: amortized O(1) a block); returns
+        how many blocks it covers."""
+        nodes = self._nodes
+        nodes.extend([None] * max(block + 1 - len(nodes), len(nodes)))
+        return len(nodes)
+
+    def _node_of(self, block: int) -> _Node | None:
+        """The node indexing arena ``block``, if any."""
+        return self._nodes[block] if block < len(self._nodes) else None
+
+    def _device_nodes(self) -> list[_Node]:
+        """Every node on the device, by block."""
+        return [node for node in self._nodes if node is not None]
+
     def _cached_blocks(self) -> set[int]:
-        return {block for block in self._nodes if self._ref[block] == 0}
+        return {node.block for node in self._device_nodes() if self._ref[node.block] == 0}
 
     def _num_cached_blocks(self) -> int:
         return self._num_cached
@@ -575,25 +602,26 @@ class RadixAllocator(FreeListAllocator):
         live = {key & mask for key in self._candidates if self._live(key)}
         leaves = {b for b in self._cached_blocks() if not self._nodes[b].fanout}
         assert live == leaves, f"eviction candidates {sorted(live)} != cached leaves"
-        fanout = Counter(node.parent.uid for node in self._nodes.values())
+        device = self._device_nodes()
+        fanout = Counter(node.parent.uid for node in device)
         assert self._root.fanout == fanout[self._root.uid], "children of the root"
         if self._stores is None:
-            assert len(self._children) == len(self._nodes), "child map and node map disagree"
+            assert len(self._children) == len(device), "child map and node map disagree"
         else:
             self._check_tiers()
-        for block, node in self._nodes.items():
-            assert node.block == block and len(node.key) == 4 * self.block_size + 8, block
+        for block, node in ((node.block, node) for node in device):
+            assert self._nodes[block] is node and len(node.key) == 4 * self.block_size + 8, block
             assert node.tier == DEVICE and self._children.get(node.key) is node, block
             parent = node.parent
             assert self._unpack(node.key)[0] == parent.uid, f"block {block}: parent in key"
-            assert parent is self._root or self._nodes.get(parent.block) is parent, block
+            assert parent is self._root or self._node_of(parent.block) is parent, block
             assert node.fanout == fanout[node.uid], f"children of {block}"
             parent_held = parent is self._root or self._ref[parent.block] > 0
             assert parent_held or self._ref[block] == 0, f"held block {block} under a cached one"
         for seq_id, s in self._seqs.items():
             parent = self._root
             for block in s.table[: s.cursor]:
-                node = self._nodes.get(block)
+                node = self._node_of(block)
                 assert node is not None and node.parent is parent, f"{seq_id}: not a tree path"
                 parent = node
 
@@ -611,7 +639,7 @@ class RadixAllocator(FreeListAllocator):
                 assert self._stores[node.tier][node.block] is node, f"node {node.uid}: slot"
                 assert node.uid not in self._backup, f"node {node.uid}: a copy off the device"
             else:
-                assert self._nodes.get(node.block) is node, f"node {node.uid}: block"
+                assert self._node_of(node.block) is node, f"node {node.uid}: block"
         for tier in (HOST, DISK):
             store = self._stores[tier]
             if store is None:

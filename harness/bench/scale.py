@@ -27,6 +27,10 @@ model's profile serves (about 10 short requests/s): the waiting queue grows to m
 trace, as in a saturated replay. A cell that takes longer than ``--timeout`` seconds is
 reported as ``timeout``. Trace options name ``conf/trace/`` groups; ``shared_prefix`` is
 sized by its users (4 system prompts x size/4 users), any other by ``trace.num_requests``.
+``mooncake_conversation`` (the real Mooncake conversation trace's shape: 12,031 requests,
+prompts up to 32k) keeps its own arrivals and runs with ``engine.max_model_len=32768`` in an
+arena of 8 M blocks that never evicts: ``--traces mooncake_conversation --sizes 12031
+--allocators radix --schedulers fcfs``.
 """
 
 from __future__ import annotations
@@ -50,15 +54,29 @@ PROFILE = "results/baselines/profile-llama-tiny.json"
 REPO = Path(__file__).resolve().parents[2]
 
 
+# A trace shaped like a real one keeps its own arrivals and needs a longer context, in an
+# arena that never evicts (sized by use: its blocks cost nothing until taken).
+REAL_SHAPED = {
+    "mooncake_conversation": [
+        "engine.max_model_len=32768",  # fcfs's token budget follows it
+        "engine.num_blocks=8000000",
+    ]
+}
+
+
 def trace_overrides(trace: str, size: int, rate: float) -> list[str]:
-    """The ``trace=`` option sized to ``size`` requests at ``rate`` requests/s."""
+    """The ``trace=`` option sized to ``size`` requests at ``rate`` requests/s (a real-shaped
+    trace at its own rate, with the engine it needs)."""
     if trace == "shared_prefix":
         return [f"trace={trace}", f"trace.users_per_prompt={size // 4}", f"trace.rate={rate}"]
+    if trace in REAL_SHAPED:
+        return [f"trace={trace}", f"trace.num_requests={size}", *REAL_SHAPED[trace]]
     return [f"trace={trace}", f"trace.num_requests={size}", f"trace.rate={rate}"]
 
 
 def cell_overrides(cell: dict, num_blocks: int) -> list[str]:
-    """A cell's kvbench overrides: its trace, allocator and scheduler on the model clock."""
+    """A cell's kvbench overrides: its trace, allocator and scheduler on the model clock
+    (the trace's own engine settings last: they win)."""
     return [
         "engine.clock=model",
         f"engine.profile={REPO / PROFILE}",

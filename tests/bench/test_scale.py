@@ -1,8 +1,10 @@
 """python -m harness.bench scale: its size ratios, computed by hand."""
 
+import pyarrow.parquet as pq
 import pytest
 
-from harness.bench.scale import format_cells, format_ratios, main
+from harness.analysis.results import REQUESTS_FILE
+from harness.bench.scale import cell_overrides, format_cells, format_ratios, main, run_cell
 
 
 def _cell(size: int, wall: float, cpu: float, seq_steps: int) -> dict:
@@ -44,3 +46,17 @@ def test_against_an_unknown_commit_is_one_line(capsys) -> None:
     with pytest.raises(SystemExit) as stop:
         main(["--against", "no-such-ref", "--sizes", "10"])
     assert "--against no-such-ref" in str(stop.value) and "\n" not in str(stop.value)
+
+
+def test_the_real_shaped_trace_runs_at_its_own_rate_with_long_contexts(tmp_path) -> None:
+    # mooncake_conversation keeps its arrivals (no trace.rate) and gets a 32k context in an
+    # arena that never evicts; 40 of its requests replay whole on the model clock.
+    cell = {"trace": "mooncake_conversation", "allocator": "radix", "scheduler": "fcfs",
+            "size": 40, "rate": 40.0}  # fmt: skip
+    overrides = cell_overrides(cell, 4096)
+    assert not any(o.startswith("trace.rate=") for o in overrides)
+    assert overrides[-2:] == ["engine.max_model_len=32768", "engine.num_blocks=8000000"]
+    got = run_cell(overrides, tmp_path / "run")
+    assert got["completed"] == 40
+    prompts = pq.read_table(tmp_path / "run" / REQUESTS_FILE, columns=["prompt_tokens"])
+    assert max(prompts.column(0).to_pylist()) > 2048  # longer than the bench's other traces

@@ -197,12 +197,18 @@ class BlockAllocator(ABC):
 
     def allocate_many(self, requests: Sequence[tuple[str, int]]) -> list[Allocation | None]:
         """``allocate(seq_id, num_tokens)`` for each request, in order, in one call (a step's
-        block-boundary crossings). Results and state are exactly those of the calls one by
-        one: a ``None`` changes nothing for its request and later ones still try, blocks are
+        running sequences), up to the first that cannot be met. Results and state are
+        exactly those of the calls one by one, stopping there: the list ends with that
+        request's ``None`` (it changed nothing) and no later request is tried; blocks are
         handed out in the same order, and a wrong request raises after the ones before it
         took effect. This default loops; an allocator may take blocks in one go."""
+        results: list[Allocation | None] = []
         allocate = self.allocate
-        return [allocate(seq_id, num_tokens) for seq_id, num_tokens in requests]
+        for seq_id, num_tokens in requests:
+            results.append(got := allocate(seq_id, num_tokens))
+            if got is None:
+                break
+        return results
 
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
         """Record that the KV of these leading tokens is written (a cache may share it)."""

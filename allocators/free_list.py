@@ -41,13 +41,20 @@ class FreeListAllocator(BlockAllocator):
         """``BlockAllocator.allocate_many``. A request that grows a known sequence with no
         copy and no eviction takes its blocks here: never-used ones as the next ids of a run
         the whole call shares, whose reference counts are set in one go, then recycled ones;
-        any other request goes through ``allocate`` in its turn (same blocks, same order)."""
+        any other request goes through ``allocate`` in its turn (same blocks, same order),
+        and the first it cannot meet ends the call."""
         seqs, ref, bs, free = self._seqs, self._ref, self.block_size, self._free
         needs_copy, take = self._needs_copy, self._take_into
         top = len(ref)  # fresh blocks from len(ref) up to here are in tables, not yet held
         results: list[Allocation | None] = []
+        append = results.append
         for seq_id, num_tokens in requests:
             s = seqs.get(seq_id)
+            if s is not None and s.num_tokens <= num_tokens <= s.limit:  # ``allocate``'s O(1)
+                self._token_slots += num_tokens - s.num_tokens
+                s.num_tokens = num_tokens
+                append(NO_COPIES)
+                continue
             if s is not None and type(num_tokens) is int and num_tokens > s.num_tokens:
                 table = s.table
                 new = -(-num_tokens // bs) - len(table)
@@ -67,8 +74,10 @@ class FreeListAllocator(BlockAllocator):
                     results.append(NO_COPIES)
                     continue
             self._hold_fresh(top)
-            results.append(self.allocate(seq_id, num_tokens))
+            results.append(got := self.allocate(seq_id, num_tokens))
             top = len(ref)
+            if got is None:
+                break
         self._hold_fresh(top)
         return results
 

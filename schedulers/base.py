@@ -7,9 +7,10 @@ questions go to the allocator (``blocks_needed``, ``can_allocate``).
 One step, decode-first (the default)::
 
     hold?     nothing runs and fewer than min_batch_size wait, none for max_wait: run nothing
-    running   in _running_order, each grows by _chunk tokens; when the allocator says no,
-              _victim picks a not-yet-scheduled running sequence (or the asking one) to
-              preempt (recompute: free and requeue; swap: copy to host, free)
+    running   in _running_order, each grows by _chunk tokens (one allocate_many for them
+              all); when the allocator says no, _victim picks a not-yet-scheduled running
+              sequence (or the asking one) to preempt (recompute: free and requeue; swap:
+              copy to host, free)
     bring in  only if nothing was preempted for lack of memory: swapped, then waiting, in
               _incoming_order, while max_num_seqs, the token budget and the free blocks
               above the watermark allow; the first that does not fit stops it
@@ -339,8 +340,30 @@ class Scheduler(ABC):
     def _schedule_running(
         self, out: SchedulerOutput, budget: int, order: list[Request]
     ) -> tuple[int, bool]:
-        """Grow running sequences; returns the budget left and whether memory ran out."""
-        queue = deque(order)
+        """Grow running sequences; returns the budget left and whether memory ran out.
+
+        The allocator is asked for every row's growth in one call (``allocate_many``: the
+        sequences crossing a block boundary take their blocks there); from the first it
+        cannot meet on, one by one, preempting to make room."""
+        rows, left, chunk = [], budget, self._chunk  # (place in order, seq, tokens)
+        for i, seq in enumerate(order):
+            if left <= 0:
+                break
+            n = chunk(seq, left)
+            if n > 0:
+                rows.append((i, seq, n))
+                left -= n
+        got = self.allocator.allocate_many(
+            [(seq.request_id, seq.num_computed_tokens + n) for _, seq, n in rows]
+        )
+        add_row = self._add_row
+        for (_, seq, n), alloc in zip(rows, got, strict=False):
+            if alloc is None:
+                break
+            budget = add_row(out, seq, n, alloc, budget)
+        if not got or got[-1] is not None:  # every row got its blocks
+            return budget, False
+        queue = deque(order[rows[len(got) - 1][0] :])  # from the one that did not fit
         pressure = False
         allocate = self.allocator.allocate
         while queue and budget > 0:

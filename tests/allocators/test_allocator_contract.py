@@ -241,7 +241,18 @@ def test_failed_allocate_changes_nothing(make) -> None:
     alloc.check()
 
 
-def test_allocate_many_is_allocate_for_each_request_in_order(make) -> None:
+def one_by_one(alloc, requests: list[tuple[str, int]]) -> list:
+    """``allocate`` for each request in order, up to and with the first ``None``."""
+    results = []
+    for seq, num_tokens in requests:
+        results.append(alloc.allocate(seq, num_tokens))
+        if results[-1] is None:
+            break
+    return results
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_allocate_many_is_allocate_for_each_request_in_order(make, stops: bool) -> None:
     alloc = make(num_blocks=32)
     alloc.allocate("a", 5)
     alloc.allocate("b", 4)
@@ -251,17 +262,20 @@ def test_allocate_many_is_allocate_for_each_request_in_order(make) -> None:
     requests = [
         ("a", 9),  # a block boundary
         ("b", 6),
-        ("c", 33 * BS),  # never fits: None, nothing changes for it
         ("f", 6),
         ("a", 10),  # a again, further (within its block)
         ("c", 3),  # a new sequence
         ("b", 2),  # below its count: nothing
         ("a", 40),
     ]
-    expected = [twin.allocate(seq, num_tokens) for seq, num_tokens in requests]
+    if stops:  # one that never fits: None, nothing changes for it, and the call ends there
+        requests.insert(2, ("d", 33 * BS))
+    expected = one_by_one(twin, requests)
     assert alloc.allocate_many(requests) == expected
-    assert expected[2] is None and expected[6] is not None
-    seqs = ["a", "b", "c", "f"]
+    assert len(expected) == (3 if stops else len(requests))
+    assert (expected[-1] is None) == stops
+    assert stops or expected[5] is not None  # below its count: nothing changes, no None
+    seqs = ["a", "b", "f", *(["c"] if not stops else [])]  # d and, stopped, c never exist
     assert snapshot(alloc, seqs) == snapshot(twin, seqs)
     alloc.check()
 

@@ -345,25 +345,23 @@ class Scheduler(ABC):
         The allocator is asked for every row's growth in one call (``allocate_many``: the
         sequences crossing a block boundary take their blocks there); from the first it
         cannot meet on, one by one, preempting to make room."""
-        rows, left, chunk = [], budget, self._chunk  # (place in order, seq, tokens)
+        rows, places, left, chunk = [], [], budget, self._chunk  # (seq, tokens); in order
         for i, seq in enumerate(order):
             if left <= 0:
                 break
             n = chunk(seq, left)
             if n > 0:
-                rows.append((i, seq, n))
+                rows.append((seq, n))
+                places.append(i)
                 left -= n
         got = self.allocator.allocate_many(
-            [(seq.request_id, seq.num_computed_tokens + n) for _, seq, n in rows]
+            [(seq.request_id, seq.num_computed_tokens + n) for seq, n in rows]
         )
-        add_row = self._add_row
-        for (_, seq, n), alloc in zip(rows, got, strict=False):
-            if alloc is None:
-                break
-            budget = add_row(out, seq, n, alloc, budget)
-        if not got or got[-1] is not None:  # every row got its blocks
+        fit = len(got) if not got or got[-1] is not None else len(got) - 1
+        budget = self._add_rows(out, rows[:fit], got[:fit], budget)
+        if fit == len(rows):
             return budget, False
-        queue = deque(order[rows[len(got) - 1][0] :])  # from the one that did not fit
+        queue = deque(order[places[fit] :])  # from the one that did not fit
         pressure = False
         allocate = self.allocator.allocate
         while queue and budget > 0:
@@ -381,7 +379,7 @@ class Scheduler(ABC):
                 if victim is seq:
                     break
             if alloc is not None:
-                budget = self._add_row(out, seq, n, alloc, budget)
+                budget = self._add_rows(out, [(seq, n)], [alloc], budget)
         return budget, pressure
 
     def _bring_in(self, out: SchedulerOutput, budget: int, now: float, reserve: int) -> int:
@@ -454,7 +452,7 @@ class Scheduler(ABC):
                 seq.num_cached_tokens_host, seq.num_cached_tokens_disk = host, disk
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-            budget = self._add_row(out, seq, n, alloc, budget)
+            budget = self._add_rows(out, [(seq, n)], [alloc], budget)
         for queue, seq in leaving:
             queue.remove(seq)
         return budget
@@ -469,11 +467,18 @@ class Scheduler(ABC):
         return self.allocator.blocks_needed(seq.request_id, seq.num_computed_tokens + 1)
 
     @staticmethod
-    def _add_row(out: SchedulerOutput, seq: Request, n: int, alloc: Allocation, budget: int) -> int:
-        if alloc.copies:
-            out.copies.extend(alloc.copies)
-        out.scheduled.append(Scheduled(seq, n, seq.num_computed_tokens + n == len(seq.token_ids)))
-        return budget - n
+    def _add_rows(
+        out: SchedulerOutput, rows: list[tuple[Request, int]], allocs: list[Allocation], budget: int
+    ) -> int:
+        """Schedule ``rows`` (a sequence, its new tokens), which got ``allocs``; returns the
+        budget they leave."""
+        for alloc in allocs:
+            if alloc.copies:
+                out.copies.extend(alloc.copies)
+        out.scheduled += [
+            Scheduled(seq, n, seq.num_computed_tokens + n == len(seq.token_ids)) for seq, n in rows
+        ]
+        return budget - sum([n for _, n in rows])
 
     def _preempt(self, seq: Request, out: SchedulerOutput) -> None:
         """Take a running sequence off the device, by swap when configured and room allows."""

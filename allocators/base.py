@@ -18,8 +18,9 @@ The hot path. A decode grows a sequence by one token per step; ``allocate`` answ
 that in O(1) from the sequence's *write limit* (the slots it can fill without a new
 block or a copy) and returns the shared ``NO_COPIES`` constant, allocating nothing.
 ``block_table`` returns the live table, not a copy. ``stats`` reads counters kept up
-to date by every call. ``allocate_many`` gives the sequences of a step that cross a block
-boundary their blocks in one call, exactly as ``allocate`` one by one would.
+to date by every call. ``allocate_many`` grows a step's running sequences in one call
+(those crossing a block boundary take their blocks there), exactly as ``allocate`` one by
+one would, up to the first request it cannot meet, which ends the call.
 
 Questions a scheduler asks instead of doing block arithmetic itself (exact for
 every allocator: region sizes, buddy rounding, copy-on-write, evictable cache)::

@@ -58,23 +58,21 @@ class FreeListAllocator(BlockAllocator):
             if s is not None and type(num_tokens) is int and num_tokens > s.num_tokens:
                 table = s.table
                 new = -(-num_tokens // bs) - len(table)
-                # No copy: within the write limit, or the last block is full, taken by this
-                # call (past ``ref``: its sequence's own) or read by nobody else.
+                # Past the write limit, no copy: the last block is full, taken by this call
+                # (past ``ref``: its sequence's own) or read by nobody else.
                 if new <= self.num_blocks - top + len(free) and (
-                    num_tokens <= s.limit
-                    or not s.num_tokens % bs
-                    or table[-1] >= len(ref)
-                    or not needs_copy(table[-1])
+                    not s.num_tokens % bs or table[-1] >= len(ref) or not needs_copy(table[-1])
                 ):
                     if new:
                         top = take(table, new, top)
                     self._token_slots += num_tokens - s.num_tokens
                     s.num_tokens = num_tokens
                     s.limit = len(table) * bs
-                    results.append(NO_COPIES)
+                    append(NO_COPIES)
                     continue
-            self._hold_fresh(top)
-            results.append(got := self.allocate(seq_id, num_tokens))
+            if top != len(ref):
+                self._hold_fresh(top)
+            append(got := self.allocate(seq_id, num_tokens))
             top = len(ref)
             if got is None:
                 break

@@ -346,6 +346,7 @@ class RadixAllocator(FreeListAllocator):
                     )
                 if child.tier:  # recomputed, not loaded: its block is now the device copy
                     self._lift(child, block)
+                    known = len(nodes)  # the lift may have grown the block map
                 else:
                     # The same tokens are cached in another block: this sequence keeps its
                     # own copy unindexed, which keeps the invariant above.
@@ -576,11 +577,12 @@ class RadixAllocator(FreeListAllocator):
         self._nodes[node.block] = node
 
     def _cover(self, block: int) -> int:
-        """Grow the block map over ``block`` (by doubling: amortized O(1) a block); returns
-        how many blocks it covers."""
+        """Grow the block map over ``block`` (by doubling, amortized O(1) a block, to the
+        arena's size at most); returns how many blocks it covers."""
         nodes = self._nodes
-        nodes.extend([None] * max(block + 1 - len(nodes), len(nodes)))
-        return len(nodes)
+        size = min(max(block + 1, 2 * len(nodes)), self.num_blocks)
+        nodes.extend([None] * (size - len(nodes)))
+        return size
 
     def _node_of(self, block: int) -> _Node | None:
         """The node indexing arena ``block``, if any."""
@@ -609,7 +611,9 @@ class RadixAllocator(FreeListAllocator):
             assert len(self._children) == len(device), "child map and node map disagree"
         else:
             self._check_tiers()
-        for block, node in ((node.block, node) for node in device):
+        assert len(self._nodes) <= self.num_blocks, "the block map outgrew the arena"
+        for node in device:
+            block = node.block
             assert self._nodes[block] is node and len(node.key) == 4 * self.block_size + 8, block
             assert node.tier == DEVICE and self._children.get(node.key) is node, block
             parent = node.parent

@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
                               flush=True)  # fmt: skip
     against = f"; REF = {args.against}" if args.against else ""
     print(f"\nmodel clock ({PROFILE}), {args.num_blocks} blocks, rate {args.rate:g}/s{against}")
+    for trace in set(chosen["trace"]) & REAL_SHAPED.keys():
+        print(f"{trace}: at its own rate, with {' '.join(REAL_SHAPED[trace])}")
     print(format_cells(rows))
     if ratios := format_ratios(rows, sizes):
         print()

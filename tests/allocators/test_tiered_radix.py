@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -150,6 +151,34 @@ def test_a_declined_load_is_recomputed_and_its_block_becomes_the_node() -> None:
     assert asked == [("host", 2, 4)]
     assert alloc.drain_tier_moves() == []  # recomputed into its own blocks: nothing moves
     assert [tier for _, tier, _ in alloc.cached_nodes()] == ["device", "device"]
+    alloc.check()
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+@pytest.mark.parametrize("stops", [False, True])
+def test_allocate_many_evicts_to_the_tiers_as_allocate_one_by_one(policy: str, stops: bool):
+    # A full arena of cached blocks: growing two running sequences past their blocks evicts
+    # leaves (write-back: to the host, and on to disk) in the same order as one allocate
+    # after another; with a request too big for the arena the call ends there.
+    alloc = tiered(num_blocks=6, host=2, disk=2, policy=policy)
+    serve(alloc, "a", [1, 1, 1, 1])
+    serve(alloc, "b", [2, 2, 2, 2])
+    assert alloc.allocate("x", 1) is not None and alloc.allocate("y", 1) is not None
+    alloc.drain_tier_moves()
+    twin = copy.deepcopy(alloc)
+    requests = [("x", 4), ("y", 3), ("x", 5), *([("z", 100)] if stops else []), ("y", 6)]
+    expected = []
+    for seq, num_tokens in requests:
+        expected.append(twin.allocate(seq, num_tokens))
+        if expected[-1] is None:
+            break
+    assert alloc.allocate_many(requests) == expected
+    assert len(expected) == 4 and (expected[-1] is None) == stops  # stopped: y never grew
+    moves = alloc.drain_tier_moves()
+    assert moves == twin.drain_tier_moves()
+    assert bool(moves) == (policy == "write_back")  # write-through wrote at commit
+    assert (alloc.dump(), alloc.stats()) == (twin.dump(), twin.stats())
+    assert alloc.cached_nodes() == twin.cached_nodes()
     alloc.check()
 
 

@@ -67,6 +67,8 @@ def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True
     (none without a ``draft_model``: n-gram lookup)."""
     drafts = [s for s in plan.scheduled if s.num_draft_tokens] if draft_model else []
     swapped = plan.swapped_out or plan.swapped_in  # most steps move nothing: no pass then
+    if not (swapped or drafts or plan.copies or plan.draft_copies or plan.tier_moves):
+        return forward  # nothing moved nor drafted: the forward's part is all (frozen)
     moved = dict.fromkeys(TIERS, 0) if plan.tier_moves else {}
     for move in plan.tier_moves:
         if move.dst_tier == "device":

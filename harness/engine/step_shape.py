@@ -57,26 +57,23 @@ def group_rows(queries: Sequence[int], contexts: Sequence[int], key_cost: float)
     it as a group of its own would cost less than the padding it adds there.
     """
     # cost(n, q, c) = GROUP_COST + n * q * (1.0 + c * key_cost), written out in the loop:
-    # it runs once per row per step.
-    shapes = list(zip(queries, contexts, strict=True))
-    order = sorted(range(len(shapes)), key=shapes.__getitem__)
+    # it runs once per row per step. Rows come by (queries, context, index), so a group's
+    # longest row is the one joining, and its longest context the larger of the two.
     groups: list[list[int]] = []
     group: list[int] = []
-    q = c = 0
+    c = 0
     here = 0.0  # the last group's cost
-    for i in order:
-        qi, ci = shapes[i]
+    for q, ci, i in sorted(zip(queries, contexts, range(len(queries)), strict=True)):
         if group:
-            mq = q if q > qi else qi
             mc = c if c > ci else ci
-            joined = GROUP_COST + (len(group) + 1) * mq * (1.0 + mc * key_cost)
-            if joined <= here + (GROUP_COST + qi * (1.0 + ci * key_cost)):
+            joined = GROUP_COST + (len(group) + 1) * q * (1.0 + mc * key_cost)
+            if joined <= here + (GROUP_COST + q * (1.0 + ci * key_cost)):
                 group.append(i)
-                q, c, here = mq, mc, joined
+                c, here = mc, joined
                 continue
         group = [i]
         groups.append(group)
-        q, c, here = qi, ci, GROUP_COST + qi * (1.0 + ci * key_cost)
+        c, here = ci, GROUP_COST + q * (1.0 + ci * key_cost)
     return groups
 
 

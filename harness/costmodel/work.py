@@ -2,7 +2,7 @@
 
 One record, its fields named as the steps table names its columns
 (harness/analysis/metrics.py STEP_SCHEMA): the model runner measures the forward's part
-(harness/engine/model_runner.py ``forward_work``), the engine adds the plan's block moves and
+(harness/engine/step_shape.py ``forward_work``), the engine adds the plan's block moves and
 draft work (harness/engine/modelled.py ``step_work``), the recorder writes each field as the
 column of its name, a profile prices it (harness/costmodel/profile.py) and kvbench-calibrate
 fits the prices from the columns of measured steps (``StepWork.from_row``). Every count is per
@@ -15,7 +15,7 @@ ones per sliding-window layer and KV head:
     window_swap_blocks   sliding-window ring blocks moved to host memory and back: a swapped
                          sequence's ring goes with its blocks, whole (0 without window layers)
     block_copies         blocks copied in the arena (copy-on-write, relocation, forks)
-    row_groups           padded batches (harness/engine/model_runner.py ``group_rows``): each
+    row_groups           padded batches (harness/engine/step_shape.py ``group_rows``): each
                          is a pass over the weights
     query_tokens_padded  query positions computed, each row padded to its group's longest
     kv_slots_read        KV slots gathered: each row reads as many blocks as its group's

@@ -30,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from allocators.base import BlockAllocator
 from allocators.tiers import KVTier
@@ -49,6 +50,7 @@ from harness.engine.request_table import RequestTable
 from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode, SamplingParams
 from harness.engine.speculative import Proposer
 from harness.engine.step_sampler import StepSampler
+from harness.engine.step_shape import StepShape
 from harness.engine.step_state import StepState
 from harness.engine.tier_kv import TierKV
 from harness.engine.window import WindowTables
@@ -392,11 +394,19 @@ class LLMEngine:
     def _launch(
         self, plan: SchedulerOutput, step: StepState, carried: mx.array | None, on_device=False
     ):
-        """Build the rows' forward and start it (the clock is charged the step's work);
-        ``on_device``: the tokens are its logits' argmax, left on the device."""
+        """Propose the step's drafts, build its forward (``Row``s for a runner that computes
+        logits, else only its ``StepShape``) and start it (the clock is charged the step's
+        work); ``on_device``: the tokens are its logits' argmax, left on the device."""
         forward = None
         if plan.scheduled:
-            forward = self.runner.forward(self._build_rows(plan, step), carried)
+            spec = [s for s in plan.scheduled if s.num_draft_tokens]
+            if spec:
+                proposals = self.proposer.propose(spec, self.outputs.sample_row)
+                step.proposals = dict(zip([s.seq for s in spec], proposals, strict=True))
+            if self.runner.computes_logits:
+                forward = self.runner.forward(self._build_rows(plan, step), carried)
+            else:  # the model clock: the step's shape is all it reads
+                forward = self.runner.forward(self._build_shape(plan, step))
         # The step's work, priced by a model clock (a measuring clock ignores it).
         drafted = self.proposer is not None and self.proposer.runs_model
         work = step_work(plan, forward.work if forward else StepWork(), drafted)
@@ -442,15 +452,12 @@ class LLMEngine:
 
     # -- inside a step -------------------------------------------------------------------
     def _build_rows(self, plan: SchedulerOutput, step: StepState) -> list[Row]:
-        """The runner's rows: each scheduled sequence's new tokens (and drafts to verify).
+        """The runner's rows: each scheduled sequence's new tokens (and the drafts proposed
+        to verify).
 
         Run once per sequence per step: what only some rows need (drafts, tokens carried
         from the device, prompt logprobs, window rings) is looked up only when a step has
         any of them."""
-        spec = [s for s in plan.scheduled if s.num_draft_tokens]
-        if spec:
-            proposals = self.proposer.propose(spec, self.outputs.sample_row)
-            step.proposals = dict(zip([s.seq for s in spec], proposals, strict=True))
         carried = self.pipeline.rows() if self.pipeline is not None else {}
         tables = self.allocator.block_tables([s.seq.request_id for s in plan.scheduled])
         window = self.window
@@ -477,6 +484,26 @@ class LLMEngine:
             ring = window.table(seq.request_id) if window is not None else ()
             rows.append(Row(fed, start, table, num_logits, on_device, ring))
         return rows
+
+    def _build_shape(self, plan: SchedulerOutput, step: StepState) -> StepShape:
+        """The step's shape for a runner that computes no logits (``StepShape``): per row
+        the tokens fed, where they start, the logits asked; the drafts (proposed) only of
+        the rows that verify some. As ``_build_rows`` counts them, without slicing a token
+        list or reading a block table."""
+        scheduled = plan.scheduled
+        queries = np.array([s.num_new_tokens for s in scheduled])
+        starts = np.array([s.seq.num_computed_tokens for s in scheduled])
+        num_logits = np.array([s.samples for s in scheduled], dtype=queries.dtype)
+        drafts = {}
+        if step.proposals:  # a verification feeds its new tokens but the slots it reserved
+            for row, s in enumerate(scheduled):
+                if s.num_draft_tokens:
+                    proposed = step.proposals[s.seq].tokens
+                    queries[row] += len(proposed) - s.num_draft_tokens
+                    if s.samples and proposed:
+                        num_logits[row] += len(proposed)
+                        drafts[row] = proposed
+        return StepShape(queries, starts, num_logits, drafts)
 
     def _postprocess(
         self, plan: SchedulerOutput, forward: Forward, step: StepState

@@ -1,12 +1,8 @@
 """Runs an unmodified mlx_lm model over the KV arena: one step's batched forward.
 
-An mlx_lm model takes a rectangular batch: every row is padded to the longest row's length
-(queries) and context (keys read). One padded batch of a mixed step would make every row
-pay for the longest: a 1024-token prompt beside seven 16-token ones cost 8.2x the parts
-alone, one 3,000-token context beside 31 short decodes 9.4x. So a step's rows are split into
-groups of similar shape (``group_rows``), each a padded batch of its own; all groups are
-built lazily and evaluated together, so MLX sees one graph per step. A group costs a pass
-over the weights, so rows share one unless padding them together costs more than that.
+A step's rows are split into padded batches of similar shape (``group_rows``,
+harness/engine/step_shape.py, which says why), each a padded batch of its own; all groups
+are built lazily and evaluated together, so MLX sees one graph per step.
 """
 
 from __future__ import annotations
@@ -20,8 +16,9 @@ from typing import NamedTuple, Protocol
 import mlx.core as mx
 import numpy as np
 
-from harness.costmodel.work import StepWork, window_blocks_read
+from harness.costmodel.work import StepWork
 from harness.engine.kv_cache import BatchLayout, HostBlocks, KVArena, PagedKVCache
+from harness.engine.step_shape import StepShape, forward_work, group_rows, key_cost
 from harness.engine.window import WindowGroup, WindowKVCache
 from harness.platform.models import LoadedModel
 
@@ -44,47 +41,6 @@ class Row(NamedTuple):
     ring: Sequence[int] = ()
 
 
-def forward_work(
-    rows: Sequence[Row],
-    groups: Sequence[Sequence[int]],
-    block_size: int,
-    window: int | None = None,
-) -> StepWork:
-    """The forward's part of a step's work: ``rows`` run as the padded batches ``groups``
-    (row indices). Counts no timing changes, the same on any machine for the same rows
-    (harness/costmodel/work.py says what each one counts); each row reads as many blocks as
-    its group's longest context needs (``BatchLayout.num_read_blocks``). With ``window``
-    (a model's sliding-window layers), a window layer's reads and pairs too: each row of a
-    group reads the ring blocks the group's row with the most needs (``window_blocks_read``), then
-    attends over them and the group's padded new keys."""
-    lengths = [len(r.tokens) for r in rows]
-    ends = [r.start + n for r, n in zip(rows, lengths, strict=True)]
-    queries = keys = pairs = ring_keys = ring_pairs = 0
-    for g in groups:
-        q = max([lengths[i] for i in g])
-        k = -(-max([ends[i] for i in g]) // block_size) * block_size
-        queries += len(g) * q
-        keys += len(g) * k
-        pairs += len(g) * q * k
-        if window is not None:
-            read = max([window_blocks_read(rows[i].start, window, block_size) for i in g])
-            read = max(1, read) * block_size
-            ring_keys += len(g) * read
-            ring_pairs += len(g) * q * (read + q)
-    return StepWork(
-        batch_size=len(rows),
-        row_groups=len(groups),
-        query_tokens_padded=queries,
-        kv_slots_read=keys,
-        kv_slots_attended=sum(ends),
-        attention_pairs=pairs,
-        window_kv_slots_read=ring_keys,
-        window_attention_pairs=ring_pairs,
-        logit_rows=sum([r.num_logits for r in rows]),
-        single_token_rows=lengths.count(1),
-    )
-
-
 @dataclass
 class Forward:
     """A step's forward as a lazy graph: logits of the rows that asked for them
@@ -103,14 +59,18 @@ class Runner(Protocol):
 
     ``ModelRunner`` runs the model; a runner without a model (a cost model's clock, say)
     stands in by taking the same calls. The engine calls, per step: the block moves the plan
-    asks for (``swap_out``, ``copy_blocks``, ``swap_in``), then ``forward`` over the rows,
-    ``launch`` (start computing, return at once) and ``wait`` (block until done). Logits
-    come back in ``Forward.logits``, one row per logit each ``Row`` asks for, or, from a
-    runner that ``computes_logits`` not, as ``Forward.tokens``."""
+    asks for (``swap_out``, ``copy_blocks``, ``swap_in``), then ``forward`` over the step,
+    ``launch`` (start computing, return at once) and ``wait`` (block until done). A runner
+    that ``computes_logits`` is handed the step's ``Row``s (tokens, block tables, rings) and
+    returns ``Forward.logits``, one row per logit each ``Row`` asks for; one that does not
+    is handed only the step's shape as arrays (``StepShape``: no token list sliced, no block
+    table read) and returns the tokens it chose as ``Forward.tokens``."""
 
     computes_logits: bool
 
-    def forward(self, rows: Sequence[Row], carried: mx.array | None = None) -> Forward: ...
+    def forward(
+        self, step: Sequence[Row] | StepShape, carried: mx.array | None = None
+    ) -> Forward: ...
 
     def launch(self, outputs: Sequence[mx.array]) -> None: ...
 
@@ -159,13 +119,16 @@ class ModelRunner:
         lazy graph. Nothing is evaluated but the groups before the last (see below):
         ``launch`` starts the rest, ``wait`` blocks on it."""
         t0 = time.perf_counter()
-        groups = group_rows(rows, self.key_cost)
+        queries = [len(r.tokens) for r in rows]
+        contexts = [r.start + n for r, n in zip(rows, queries, strict=True)]
+        groups = group_rows(queries, contexts, self.key_cost)
         # One batch in the rows' own order (most decode steps): no row lists regrouped.
         in_order = len(groups) == 1 and groups[0] == list(range(len(rows)))
         batches = [rows] if in_order else [[rows[i] for i in g] for g in groups]
         plans = [self._plan(batch) for batch in batches]
         window = self.window.window if self.window is not None else None
-        work = forward_work(rows, groups, self.arena.block_size, window)
+        logit_rows = sum([r.num_logits for r in rows])
+        work = forward_work(queries, contexts, logit_rows, groups, self.arena.block_size, window)
         t1 = time.perf_counter()
         outputs: list[mx.array | None] = []
         for batch, (inputs, layout, picks) in zip(batches, plans, strict=True):
@@ -280,49 +243,6 @@ class ModelRunner:
         # The LM head only where logits are needed: over every prompt position it costs
         # about a third of prefill time on this model size.
         return self.head(flat[mx.array(picks, dtype=mx.int32)])
-
-
-KEYS_PER_TOKEN_COST = 4  # keys per query that cost as much as the query's token: x hidden
-GROUP_COST = 16  # a group's own cost (a pass over the weights, graph building), in tokens
-
-
-def key_cost(loaded: LoadedModel) -> float:
-    """One key read by one query, in units of one token through the weights: attention
-    takes ~4 flops per hidden unit per key, the layers' matmuls ~24 per hidden unit^2."""
-    return 1.0 / (KEYS_PER_TOKEN_COST * loaded.hidden_size)
-
-
-def group_rows(rows: Sequence[Row], key_cost: float) -> list[list[int]]:
-    """Split rows (indices) into padded batches whose total estimated cost is low.
-
-    A padded batch of n rows, the longest Q tokens and the longest context C, costs
-    ``GROUP_COST + n * Q * (1 + C * key_cost)`` (in tokens through the weights). Rows are
-    taken in order of length then context, and a row joins the current group unless running
-    it as a group of its own would cost less than the padding it adds there.
-    """
-
-    # cost(n, q, c) = GROUP_COST + n * q * (1.0 + c * key_cost), written out in the loop:
-    # it runs once per row per step.
-    shapes = [(len(r.tokens), r.start + len(r.tokens)) for r in rows]  # (queries, context)
-    order = sorted(range(len(rows)), key=shapes.__getitem__)
-    groups: list[list[int]] = []
-    group: list[int] = []
-    q = c = 0
-    here = 0.0  # the last group's cost
-    for i in order:
-        qi, ci = shapes[i]
-        if group:
-            mq = q if q > qi else qi
-            mc = c if c > ci else ci
-            joined = GROUP_COST + (len(group) + 1) * mq * (1.0 + mc * key_cost)
-            if joined <= here + (GROUP_COST + qi * (1.0 + ci * key_cost)):
-                group.append(i)
-                q, c, here = mq, mc, joined
-                continue
-        group = [i]
-        groups.append(group)
-        q, c, here = qi, ci, GROUP_COST + qi * (1.0 + ci * key_cost)
-    return groups
 
 
 def _with_carried(inputs: mx.array, rows: Sequence[Row], carried: mx.array | None) -> mx.array:

@@ -3,8 +3,9 @@
 The same LLMEngine, allocators, schedulers, recorder and metrics run; only what computes a
 step changes. ``shape_model`` (``model=shape model.config=PATH``) is a model without
 weights: its config.json's shape, all the model clock needs. ``ModelledRunner`` stands in
-for the model behind the ``Runner`` seam: it counts the step's work (``forward_work``, the
-same counts the real runner reports) and chooses the tokens, and ``ModelClock`` advances by
+for the model behind the ``Runner`` seam: from the step's shape (``StepShape``, arrays; no
+``Row`` is built) it counts the step's work (``forward_work``, the same counts the real
+runner reports) and chooses the tokens, and ``ModelClock`` advances by
 the profile's price of that work
 (harness/costmodel). Nothing is timed, so a replay gives the same tables on any machine,
 under any load.
@@ -28,8 +29,9 @@ from harness.costmodel.shape import from_config, read_config
 from harness.costmodel.tiers import TierCost
 from harness.costmodel.work import TIERS, StepWork
 from harness.engine.clock import VirtualClock
-from harness.engine.model_runner import Forward, Row, forward_work, group_rows
+from harness.engine.model_runner import Forward
 from harness.engine.speculative import Proposal, RowFor
+from harness.engine.step_shape import StepShape, forward_work, group_rows
 from harness.platform.models import LoadedModel
 from schedulers.output import Scheduled, SchedulerOutput
 
@@ -65,6 +67,8 @@ def step_work(plan: SchedulerOutput, forward: StepWork, draft_model: bool = True
     (none without a ``draft_model``: n-gram lookup)."""
     drafts = [s for s in plan.scheduled if s.num_draft_tokens] if draft_model else []
     swapped = plan.swapped_out or plan.swapped_in  # most steps move nothing: no pass then
+    if not (swapped or drafts or plan.copies or plan.draft_copies or plan.tier_moves):
+        return forward  # nothing moved nor drafted: the forward's part is all (frozen)
     moved = dict.fromkeys(TIERS, 0) if plan.tier_moves else {}
     for move in plan.tier_moves:
         if move.dst_tier == "device":
@@ -146,10 +150,12 @@ class ModelClock(VirtualClock):
 class ModelledRunner:
     """A ``Runner`` without a model: counts each forward's work and draws its tokens.
 
+    It is handed each step's shape as arrays (``StepShape``), never ``Row``s, and groups and
+    counts them with the real runner's own functions (harness/engine/step_shape.py):
     ``key_cost`` groups rows into padded batches as the real runner would for this model
     (``ModelRunner.key_cost``), so the counts are the ones a real step would have; a model
     with sliding-window layers of ``window`` tokens has its window layers' reads counted
-    too, over the rings its rows carry (``forward_work``)."""
+    too, from its rows' starts (``forward_work``)."""
 
     arena = None  # no KV arena: nothing is computed
     computes_logits = False
@@ -171,29 +177,32 @@ class ModelledRunner:
         self.acceptance = acceptance
         self._rng = np.random.default_rng([seed, 0x5EED])
 
-    def forward(self, rows: Sequence[Row], carried=None) -> Forward:
-        groups = group_rows(rows, self.key_cost)
-        work = forward_work(rows, groups, self.block_size, self.window)
-        return Forward(None, 0.0, 0.0, work, tokens=self._tokens(rows))
+    def forward(self, shape: StepShape, carried=None) -> Forward:
+        """The step's work and tokens from its shape alone (the engine builds no ``Row``)."""
+        # Plain ints for the grouping's loop and the counts (numpy scalars cost more).
+        queries = shape.queries.tolist()
+        contexts = (shape.starts + shape.queries).tolist()
+        logit_rows = int(shape.num_logits.sum())
+        groups = group_rows(queries, contexts, self.key_cost)
+        work = forward_work(queries, contexts, logit_rows, groups, self.block_size, self.window)
+        return Forward(None, 0.0, 0.0, work, tokens=self._tokens(shape, logit_rows))
 
-    def _tokens(self, rows: Sequence[Row]) -> np.ndarray:
-        """One token per logits row, in row order; a verification's rows first take its
-        drafts while the Bernoulli draws accept them."""
-        logits = [r.num_logits for r in rows]
-        drawn = self._rng.integers(0, self.vocab_size, sum(logits))
-        if max(logits, default=0) < 2:  # no verification: nothing to accept
+    def _tokens(self, shape: StepShape, logit_rows: int) -> np.ndarray:
+        """One token per logits row (``logit_rows`` in all), in row order; a verification's
+        rows first take its drafts while the Bernoulli draws accept them (a draw of ``k`` for
+        a verification of ``k`` drafts, in row order, after the step's tokens)."""
+        drawn = self._rng.integers(0, self.vocab_size, logit_rows)
+        if not shape.drafts:  # no verification: nothing to accept
             return drawn
-        at = 0
-        for r in rows:
-            k = r.num_logits - 1  # drafts under verification (none: 0, or -1 for a chunk)
-            if k > 0:
-                drafts = r.tokens[-k:]
-                accepted = self._rng.random(k) < self.acceptance
-                m = k if accepted.all() else int(np.argmin(accepted))
-                drawn[at : at + m] = drafts[:m]
-                if m < k and drawn[at + m] == drafts[m]:  # a rejection differs from its draft
-                    drawn[at + m] = (drafts[m] + 1) % self.vocab_size
-            at += r.num_logits
+        logits = shape.num_logits
+        offsets = (np.cumsum(logits) - logits).tolist()  # each row's first logits row
+        for row, drafts in shape.drafts.items():
+            at, k = offsets[row], len(drafts)
+            accepted = self._rng.random(k) < self.acceptance
+            m = k if accepted.all() else int(np.argmin(accepted))
+            drawn[at : at + m] = drafts[:m]
+            if m < k and drawn[at + m] == drafts[m]:  # a rejection differs from its draft
+                drawn[at + m] = (drafts[m] + 1) % self.vocab_size
         return drawn
 
     def launch(self, outputs) -> None:

@@ -231,7 +231,7 @@ def test_more_host_work_per_step_fails_naming_the_calls_per_step(
 
 def test_padded_batches_fail_naming_the_padding_counts(baseline, tmp_path, capsys, monkeypatch):
     # Padding comes back: all of a forward's rows in one padded batch.
-    monkeypatch.setattr(model_runner, "group_rows", lambda rows, key_cost: [list(range(len(rows)))])
+    monkeypatch.setattr(model_runner, "group_rows", lambda queries, *_: [list(range(len(queries)))])
     with pytest.raises(SystemExit) as exit_:
         regress.main([*WORK, "--baseline", str(baseline), "--output", str(tmp_path)])
     assert exit_.value.code == 1

@@ -146,6 +146,36 @@ def test_speculative_acceptance_follows_the_set_probability(model, tmp_path, acc
     assert (first["draft_rounds"], first["draft_tokens"]) == (4, 7)
 
 
+class NoBatchTables(FreeListAllocator):
+    """A free list whose step batch's block tables must not be asked for."""
+
+    def block_tables(self, seq_ids):
+        raise AssertionError("a model-clock step read its batch's block tables")
+
+
+def test_a_model_clock_step_reads_no_block_table(model, tmp_path):
+    """The modelled runner gets the step's shape, not rows: no batch's block tables are
+    read, verifications included (2 drafts each, all accepted: a's 7 tokens come as its
+    prompt's first, then 3 in each of two verifications)."""
+    engine = build_engine(
+        model,
+        NoBatchTables,
+        partial(FCFSScheduler, max_num_seqs=8),
+        num_blocks=64,
+        clock="model",
+        profile=toy_profile(model, tmp_path),
+        speculative=Speculation(num_draft_tokens=2),
+        acceptance=1.0,
+    )
+    engine.add_request("a", [1, 2, 3], greedy(7), arrival_time=0.0)
+    engine.add_request("b", [4, 5], greedy(3), arrival_time=0.0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    rows = {r["request_id"]: r for r in engine.recorder.requests}
+    assert (rows["a"]["output_tokens"], rows["b"]["output_tokens"]) == (7, 3)
+    assert rows["a"]["spec_accepted"] == rows["a"]["spec_proposed"] > 0
+
+
 def test_a_half_acceptance_rate_accepts_about_half_the_drafts(model, tmp_path):
     """1 draft per verification accepted with probability 0.5: over 300+ drafts the rate is
     within 3.5 standard deviations (3.5 x 0.029) of 0.5."""

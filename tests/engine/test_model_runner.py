@@ -9,38 +9,39 @@ import mlx.core as mx
 
 from allocators.free_list import FreeListAllocator
 from harness.engine.kv_cache import KVArena
-from harness.engine.model_runner import GROUP_COST, ModelRunner, Row, group_rows
+from harness.engine.model_runner import ModelRunner, Row
+from harness.engine.step_shape import GROUP_COST, group_rows
 
 KEY = 1 / 1024
 
 
-def rows(*specs: tuple[int, int]) -> list[Row]:
-    """Rows of (new tokens, cached context)."""
-    return [Row([0] * n, start, []) for n, start in specs]
+def rows(*specs: tuple[int, int]) -> tuple[list[int], list[int]]:
+    """Rows of (new tokens, cached context): their queries and contexts."""
+    return [n for n, _ in specs], [n + start for n, start in specs]
 
 
 def test_a_long_prompt_is_not_padded_with_short_ones():
     """Seven 16-token prompts batch together (each adds 16.25 < 32.25 alone); the 1024-token
     one alone costs 16 + 2048, padding the seven to it 16 + 8 x 2048."""
     assert GROUP_COST == 16
-    assert group_rows(rows((1024, 0), *[(16, 0)] * 7), KEY) == [[1, 2, 3, 4, 5, 6, 7], [0]]
+    assert group_rows(*rows((1024, 0), *[(16, 0)] * 7), KEY) == [[1, 2, 3, 4, 5, 6, 7], [0]]
 
 
 def test_one_long_context_decode_reads_alone():
     """31 decodes at context 64 and one at 3000: together 16 + 32 x 3.93 = 142, apart
     16 + 31 x 1.06 plus 16 + 3.93 = 69."""
-    assert group_rows(rows(*[(1, 63)] * 31, (1, 2999)), KEY) == [list(range(31)), [31]]
+    assert group_rows(*rows(*[(1, 63)] * 31, (1, 2999)), KEY) == [list(range(31)), [31]]
 
 
 def test_rows_of_similar_shape_share_one_batch():
     decodes = [(1, 100 + i) for i in range(32)]
-    assert group_rows(rows(*decodes), KEY) == [list(range(32))]
+    assert group_rows(*rows(*decodes), KEY) == [list(range(32))]
 
 
 def test_decodes_are_not_padded_to_a_prefill():
     """Eight decodes at context 51 and a 64-token prompt: together 16 + 9 x 64 x 1.06,
     apart 24.4 + 84."""
-    assert group_rows(rows(*[(1, 50)] * 8, (64, 0)), KEY) == [list(range(8)), [8]]
+    assert group_rows(*rows(*[(1, 50)] * 8, (64, 0)), KEY) == [list(range(8)), [8]]
 
 
 def test_a_step_of_two_row_groups_writes_the_arena_in_place(model):
@@ -55,7 +56,7 @@ def test_a_step_of_two_row_groups_writes_the_arena_in_place(model):
     for rid, n in specs:
         alloc.allocate(rid, n)
     step = [Row([1], n - 1, alloc.block_table(rid)) for rid, n in specs]
-    assert len(group_rows(step, runner.key_cost)) == 2
+    assert len(group_rows([1] * len(specs), [n for _, n in specs], runner.key_cost)) == 2
     runner.run(step)  # first-time allocations are not the point
     mx.eval(arena.keys, arena.values)
     mx.reset_peak_memory()

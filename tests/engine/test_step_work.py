@@ -2,7 +2,7 @@
 ``kv_slots_attended``, ``block_copies``) on scenarios small enough to count by hand.
 
 Tiny model (hidden 256): a key costs 1/1024 of a token through the weights, a padded batch
-16 tokens (``model_runner.GROUP_COST``); block size 4 throughout."""
+16 tokens (``step_shape.GROUP_COST``); block size 4 throughout."""
 
 from __future__ import annotations
 

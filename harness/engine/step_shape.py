@@ -1,0 +1,123 @@
+"""A step's forward by its shape alone: which rows share a padded batch, and the work counted.
+
+Both runners behind the ``Runner`` seam call these, so a modelled step counts what a real
+one would: the real runner (harness/engine/model_runner.py) reads the shape off its ``Row``s,
+a runner without a model (harness/engine/modelled.py) gets it from the engine as arrays
+(``StepShape``), no row built, no token list sliced, no block table read.
+
+An mlx_lm model takes a rectangular batch: every row is padded to the longest row's length
+(queries) and context (keys read). One padded batch of a mixed step would make every row
+pay for the longest: a 1024-token prompt beside seven 16-token ones cost 8.2x the parts
+alone, one 3,000-token context beside 31 short decodes 9.4x. So a step's rows are split into
+groups of similar shape (``group_rows``), each a padded batch of its own. A group costs a
+pass over the weights, so rows share one unless padding them together costs more than that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from harness.costmodel.work import StepWork, window_blocks_read
+from harness.platform.models import LoadedModel
+
+KEYS_PER_TOKEN_COST = 4  # keys per query that cost as much as the query's token: x hidden
+GROUP_COST = 16  # a group's own cost (a pass over the weights, graph building), in tokens
+
+
+class StepShape(NamedTuple):
+    """A step's forward as arrays, one entry per row (a scheduled sequence, in plan order):
+    feed ``queries`` tokens from position ``starts``, return logits for the last
+    ``num_logits`` fed. ``drafts``: by row index, the drafts a verification row feeds last
+    and wants logits for (only rows that verify at least one draft). What a runner that
+    computes no logits needs of a step; the tokens themselves it never reads."""
+
+    queries: np.ndarray
+    starts: np.ndarray
+    num_logits: np.ndarray
+    drafts: dict[int, Sequence[int]]
+
+
+def key_cost(loaded: LoadedModel) -> float:
+    """One key read by one query, in units of one token through the weights: attention
+    takes ~4 flops per hidden unit per key, the layers' matmuls ~24 per hidden unit^2."""
+    return 1.0 / (KEYS_PER_TOKEN_COST * loaded.hidden_size)
+
+
+def group_rows(queries: Sequence[int], contexts: Sequence[int], key_cost: float) -> list[list[int]]:
+    """Split rows (indices) of ``queries`` tokens each over ``contexts`` (keys: cached plus
+    new) into padded batches whose total estimated cost is low. Plain ints (a list, or an
+    array's ``.tolist()``): the greedy is a loop, and a numpy scalar per row costs more.
+
+    A padded batch of n rows, the longest Q tokens and the longest context C, costs
+    ``GROUP_COST + n * Q * (1 + C * key_cost)`` (in tokens through the weights). Rows are
+    taken in order of length then context, and a row joins the current group unless running
+    it as a group of its own would cost less than the padding it adds there.
+    """
+    # cost(n, q, c) = GROUP_COST + n * q * (1.0 + c * key_cost), written out in the loop:
+    # it runs once per row per step. Rows come by (queries, context, index), so a group's
+    # longest row is the one joining, and its longest context the larger of the two.
+    groups: list[list[int]] = []
+    group: list[int] = []
+    c = 0
+    here = 0.0  # the last group's cost
+    for q, ci, i in sorted(zip(queries, contexts, range(len(queries)), strict=True)):
+        if group:
+            mc = c if c > ci else ci
+            joined = GROUP_COST + (len(group) + 1) * q * (1.0 + mc * key_cost)
+            if joined <= here + (GROUP_COST + q * (1.0 + ci * key_cost)):
+                group.append(i)
+                c, here = mc, joined
+                continue
+        group = [i]
+        groups.append(group)
+        c, here = ci, GROUP_COST + q * (1.0 + ci * key_cost)
+    return groups
+
+
+def forward_work(
+    queries: list[int],
+    contexts: list[int],
+    logit_rows: int,
+    groups: Sequence[Sequence[int]],
+    block_size: int,
+    window: int | None = None,
+) -> StepWork:
+    """The forward's part of a step's work: rows of ``queries`` tokens ending at ``contexts``
+    (plain ints, as ``group_rows`` takes them), ``logit_rows`` logits in all, run as the
+    padded batches ``groups`` (row indices). Counts no timing changes, the same on any
+    machine for the same shape (harness/costmodel/work.py says what each one counts); each
+    row reads as many blocks as its group's longest context needs
+    (``BatchLayout.num_read_blocks``). With ``window`` (a model's sliding-window layers), a
+    window layer's reads and pairs too: each row of a group reads the ring blocks the
+    group's row with the most needs (``window_blocks_read``, from its start), then attends
+    over them and the group's padded new keys."""
+    padded = keys = pairs = ring_keys = ring_pairs = 0
+    whole = len(groups) == 1  # most steps: one batch of every row, none picked out
+    for g in groups:
+        q = max(queries) if whole else max([queries[i] for i in g])
+        c = max(contexts) if whole else max([contexts[i] for i in g])
+        k = -(-c // block_size) * block_size
+        padded += len(g) * q
+        keys += len(g) * k
+        pairs += len(g) * q * k
+        if window is not None:
+            starts = [contexts[i] - queries[i] for i in g]
+            read = max([window_blocks_read(s, window, block_size) for s in starts])
+            read = max(1, read) * block_size
+            ring_keys += len(g) * read
+            ring_pairs += len(g) * q * (read + q)
+    return StepWork(
+        batch_size=len(queries),
+        row_groups=len(groups),
+        query_tokens_padded=padded,
+        kv_slots_read=keys,
+        kv_slots_attended=sum(contexts),
+        attention_pairs=pairs,
+        window_kv_slots_read=ring_keys,
+        window_attention_pairs=ring_pairs,
+        logit_rows=logit_rows,
+        single_token_rows=queries.count(1),
+    )

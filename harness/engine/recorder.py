@@ -23,7 +23,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping
 from itertools import chain, repeat
-from operator import attrgetter, sub
+from operator import sub
 
 import mlx.core as mx
 import numpy as np
@@ -130,26 +130,31 @@ class Recorder:
             return None
         blocks = stats.blocks
         running = stats.running
-        # Each scheduled row's new KV; a verification writes the drafts ``proposed`` (by
-        # sequence), which may be fewer than the slots reserved for them (n-gram lookup).
-        prefill, new, num_new = _new_tokens(plan, proposed, running)
+        fed, new, fed_total = _rows(plan, proposed, running)
         index = self._num_steps  # this step's row
         holdings = stats.holdings
         tables = holdings.tables
         live, counted, holders = self._live, self._tables, self._holders
         ids: list[int] = []
         written: list[int] = []
-        for seq, table, fed in zip(running, tables, new, strict=True):
+        decodes = 0
+        for seq, table, f, n in zip(running, tables, fed, new, strict=True):
+            computed = seq.num_computed_tokens
             key = (seq, seq.preemptions)
             holding = live.get(key)
             if holding is None:  # an allocation that starts now
                 holding = live[key] = len(counted)
                 counted.append([])
             ids.append(holding)
-            written.append(seq.num_computed_tokens + fed)
+            written.append(computed + n)
             if counted[holding] != table:  # most steps: a decode within its last block
                 _count_table(holders, counted[holding], table)
                 counted[holding] = table.copy()
+            # A decode feeds the one sampled token that has no KV yet (plus drafts to
+            # verify), past its prompt; any other row computes prompt (or recomputed)
+            # tokens, even a 1-token chunk.
+            if f == 1 and computed == len(seq.token_ids) - 1 and computed >= seq.num_prompt_tokens:
+                decodes += 1
         self._entries.add(ids, index, holdings.held_slots, written)
         unwritten = sum(holdings.num_tokens) - sum(written)  # allocated, not written by the end
         refs = sum(map(len, tables))  # table entries: a block once per table that holds it
@@ -168,9 +173,10 @@ class Recorder:
         # the request next in line (runs or buddies too small for its region).
         unusable = stats.unusable_free_blocks
         bs = blocks.block_size
+        prefill = fed_total - decodes
         return dict(
             prefill_tokens=prefill,
-            decode_tokens=num_new - prefill,
+            decode_tokens=sum(new) - prefill,
             num_waiting=stats.num_waiting,
             num_running=len(running),
             num_swapped=stats.num_swapped,
@@ -248,50 +254,36 @@ class Recorder:
         self._num_steps += 1
 
 
-_COMPUTED = attrgetter("num_computed_tokens")
-_PREEMPTIONS = attrgetter("preemptions")
-_PROMPT = attrgetter("num_prompt_tokens")
-_TOKEN_IDS = attrgetter("token_ids")
-
-
-def _new_tokens(
+def _rows(
     plan: SchedulerOutput, proposed: Mapping[Seq, int], running: tuple[Seq, ...]
-) -> tuple[int, list[int], int]:
-    """The step's prefill tokens, each running sequence's new KV slots (what its row feeds,
-    its reserved draft slots aside, plus the drafts ``proposed`` for it; 0 if it has no
-    row) and their sum."""
+) -> tuple[list[int], list[int], int]:
+    """Per running sequence, in order: what its row feeds (its reserved draft slots aside;
+    0 without a row) and its new KV slots (that plus the drafts ``proposed`` for it: a
+    verification writes those, which may be fewer than the slots reserved for them, n-gram
+    lookup); then the rows' total fed."""
     if not plan.scheduled:
-        return 0, [0] * len(running), 0
+        none = [0] * len(running)
+        return none, none, 0
     seqs, num_new, _, drafts, _ = zip(*plan.scheduled, strict=True)
     fed = list(map(sub, num_new, drafts)) if any(drafts) else list(num_new)
-    # A decode feeds the one sampled token that has no KV yet (plus drafts to verify); any
-    # other row computes prompt (or recomputed) tokens, even a 1-token chunk. Past the
-    # prompt and one short of its tokens: num_computed_tokens >= num_prompt_tokens.
-    decodes = sum(
-        [
-            f == 1 and c == len(t) - 1 and c >= p
-            for f, c, p, t in zip(
-                fed, map(_COMPUTED, seqs), map(_PROMPT, seqs), map(_TOKEN_IDS, seqs), strict=True
-            )
-        ]
-    )
-    prefill = sum(fed) - decodes
-    if proposed:
-        fed = [f + proposed.get(seq, 0) for seq, f in zip(seqs, fed, strict=True)]
-    if seqs == running:  # most steps: every running sequence has a row, in order
-        return prefill, fed, sum(fed)
-    new = dict(zip(seqs, fed, strict=True))
-    return prefill, list(map(new.get, running, repeat(0))), sum(new.values())
+    new = [f + proposed.get(s, 0) for s, f in zip(seqs, fed, strict=True)] if proposed else fed
+    total = sum(fed)
+    if seqs != running:  # most steps: every running sequence has a row, in order
+        fed_by, new_by = dict(zip(seqs, fed, strict=True)), dict(zip(seqs, new, strict=True))
+        fed = list(map(fed_by.get, running, repeat(0)))
+        new = list(map(new_by.get, running, repeat(0))) if proposed else fed
+    return fed, new, total
 
 
 class _Entries:
     """The running sequences' (holding, step, held slots, written) of every step, as four
     flat int64 columns. A step hands its lists as they are (one append each, no conversion
-    per sequence); they become columns in one pass when entries are read. Entries of ended
-    holdings are dropped in one pass once the columns have doubled since the last one
-    (amortised O(1) an entry)."""
+    per sequence); they become columns in one pass when entries are read or 64 steps wait.
+    Entries of ended holdings are dropped in one pass once the columns have doubled since the
+    last one (amortised O(1) an entry)."""
 
     _MIN = 1 << 12  # entries below which no compaction is worth a pass
+    _BATCH = 64  # steps handed before they become columns, if no entry is read before
 
     def __init__(self) -> None:
         self._columns = np.zeros((4, self._MIN), dtype=np.int64)
@@ -307,6 +299,8 @@ class _Entries:
         steps.append(step)
         helds.append(held)
         writtens.append(written)
+        if len(steps) == self._BATCH:
+            self._flush()
 
     def _flush(self) -> None:
         ids, steps, helds, writtens = self._pending

@@ -315,10 +315,10 @@ class _Entries:
             self._columns = grown
         columns = self._columns[:, start:end]
         columns[1] = np.repeat(steps, counts)
-        for row, lists in ((0, ids), (2, helds), (3, writtens)):
-            columns[row] = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=total)
+        values = chain.from_iterable(chain(ids, helds, writtens))
+        columns[[0, 2, 3]] = np.fromiter(values, dtype=np.int64, count=3 * total).reshape(3, -1)
+        for lists in self._pending:
             lists.clear()
-        steps.clear()
         self._size = end
 
     def of(self, holdings: list[int], count: int) -> np.ndarray:
@@ -328,7 +328,7 @@ class _Entries:
         columns = self._columns[:, : self._size]
         wanted = np.zeros(count, dtype=bool)
         wanted[holdings] = True
-        return columns[:, wanted[columns[0]]]
+        return columns[:, np.flatnonzero(wanted[columns[0]])]
 
     def compact(self, live: list[int], count: int) -> None:
         """Keep only the entries of the ``live`` holdings, once the columns have doubled

@@ -49,6 +49,8 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import NamedTuple
 
 from allocators.stats import AllocatorStats
 from allocators.tiers import TierMove
@@ -64,6 +66,20 @@ class Allocation:
 
 
 NO_COPIES = Allocation()  # returned whenever nothing is copied: no object per call
+
+
+class Holdings(NamedTuple):
+    """A batch's memory as ``holdings`` reads it: per sequence, in order, its token slots
+    allocated, the slots of the blocks it holds, and its live block table; one list each, so
+    that a step's reader sums or compares a column without a Python object per sequence."""
+
+    num_tokens: list[int]
+    held_slots: list[int]
+    tables: list[list[int]]
+
+
+_TABLE = attrgetter("table")
+_NUM_TOKENS = attrgetter("num_tokens")
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -326,14 +342,19 @@ class BlockAllocator(ABC):
         """``block_table`` of each sequence, in order, in one call: a step's batch."""
         return [s.table for s in self._states(seq_ids)]
 
-    def holdings(self, seq_ids: Iterable[str]) -> list[tuple[int, int, list[int]]]:
-        """Per sequence, in order: ``(num_tokens, held_slots, block_table)`` in one call
-        (the tables live, as ``block_table``'s): a step's memory snapshot of its batch."""
+    def holdings(self, seq_ids: Iterable[str]) -> Holdings:
+        """``num_tokens``, ``held_slots`` and ``block_table`` of each sequence, in order, in
+        one call (the tables live, as ``block_table``'s): a step's memory snapshot of its
+        batch, as three columns."""
         bs = self.block_size
+        states = self._states(seq_ids)
+        tables = list(map(_TABLE, states))
         if type(self)._held_count is BlockAllocator._held_count:  # it holds its table
-            return [(s.num_tokens, len(s.table) * bs, s.table) for s in self._states(seq_ids)]
-        count = self._held_count
-        return [(s.num_tokens, count(s) * bs, s.table) for s in self._states(seq_ids)]
+            held = [len(t) * bs for t in tables]
+        else:
+            count = self._held_count
+            held = [count(s) * bs for s in states]
+        return Holdings(list(map(_NUM_TOKENS, states)), held, tables)
 
     def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
         """Free blocks that cannot serve a new sequence of ``num_tokens`` slots: those in

@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from allocators.base import AllocatorStats
+from allocators.base import AllocatorStats, Holdings
 from allocators.tiers import TierMove
 from schedulers.request import Request
 
@@ -142,9 +142,10 @@ class KVStats:
 
     blocks: AllocatorStats
     running: tuple[Request, ...]
-    # Per running sequence: (slots allocated, slots of the blocks it holds (region slack
-    # included), its live block table: read it before the allocator changes again).
-    holdings: list[tuple[int, int, list[int]]]
+    # Per running sequence, in order, as three columns: slots allocated, slots of the blocks
+    # it holds (region slack included), its live block table (read it before the allocator
+    # changes again).
+    holdings: Holdings
     num_waiting: int
     num_swapped: int
     unusable_free_blocks: int

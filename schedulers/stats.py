@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from schedulers.base import Scheduler
 from schedulers.output import KVStats
 from schedulers.request import Status
+
+
+_REQUEST_ID = attrgetter("request_id")
 
 
 def kv_stats(scheduler: Scheduler) -> KVStats:
@@ -13,7 +18,7 @@ def kv_stats(scheduler: Scheduler) -> KVStats:
     both, taken each step while the forward computes)."""
     alloc = scheduler.allocator
     running = tuple(scheduler.running)
-    holdings = alloc.holdings([seq.request_id for seq in running])
+    holdings = alloc.holdings(list(map(_REQUEST_ID, running)))
     head = scheduler.next_incoming()
     unusable = 0
     if head is not None:

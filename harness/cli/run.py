@@ -328,7 +328,7 @@ def build_component(node: DictConfig) -> Any:
 
 
 def _tables(engine: LLMEngine):
-    steps = pd.DataFrame(engine.recorder.step_columns())
+    steps = pd.DataFrame(engine.recorder.step_columns(), copy=False)  # its arrays, uncopied
     return requests_frame(engine.recorder.requests), steps_frame(steps)
 
 

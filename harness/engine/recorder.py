@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping
+from itertools import chain, repeat
+from operator import sub
 
 import mlx.core as mx
 import numpy as np
@@ -31,17 +33,6 @@ from harness.costmodel.work import StepWork
 from harness.engine.request import Seq
 from harness.engine.speculative import Verifications
 from schedulers.output import KVStats, SchedulerOutput
-
-
-class _Holding:
-    """One allocation of a sequence (admission to release) and the steps it was live in."""
-
-    __slots__ = ("entries", "written", "table")
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[int, int, int]] = []  # (step, held slots, written)
-        self.written = 0  # slots written as of the latest step
-        self.table: list[int] = []  # its block table as the latest step counted it
 
 
 class Recorder:
@@ -61,7 +52,14 @@ class Recorder:
             name: array("q" if kind == "int" else "d") for name, kind in STEP_SCHEMA.items()
         }
         self._num_steps = 0
-        self._live: dict[tuple[Seq, int], _Holding] = {}  # by (sequence, preemptions)
+        # Each allocation (a sequence from admission to release) is a holding, numbered in
+        # the order it started; ``_live`` maps (sequence, preemptions) to the live ones.
+        self._live: dict[tuple[Seq, int], int] = {}
+        self._tables: list[list[int] | None] = []  # a holding's table as last counted
+        # One entry per running sequence per step, as flat columns: its holding, the step,
+        # its held slots and the slots written by the step's end. A holding's entries are
+        # read once, when it ends (_settle), and dropped at the next compaction.
+        self._entries = _Entries()
         # How many running tables hold each block (its keys: the distinct blocks), kept up
         # to date as tables change rather than recounted every step.
         self._holders: dict[int, int] = {}
@@ -70,10 +68,15 @@ class Recorder:
         """The step table by column (``STEP_COLUMNS``); allocations still live count what
         they have written so far."""
         n = self._num_steps  # a step interrupted while recorded is left out
-        columns = {name: np.array(col[:n]) for name, col in self._columns.items()}
+        columns = {
+            name: np.frombuffer(col, dtype=np.int64 if col.typecode == "q" else np.float64)[
+                :n
+            ].copy()
+            for name, col in self._columns.items()
+        }
         future, internal = columns["slots_future"], columns["slots_internal"]
-        for holding in self._live.values():
-            _settle(holding, future, internal, n)
+        live = list(self._live.values())
+        _settle(self._entries.of(live, len(self._tables)), future, internal, n)
         return columns
 
     @property
@@ -126,61 +129,56 @@ class Recorder:
         if stats is None:
             return None
         blocks = stats.blocks
-        # Each scheduled row's new KV; a verification writes the drafts ``proposed`` (by
-        # sequence), which may be fewer than the slots reserved for them (n-gram lookup).
-        new = {}
-        prefill = 0
-        for s in plan.scheduled:
-            seq = s.seq
-            fed = s.num_new_tokens - s.num_draft_tokens
-            new[seq] = fed + proposed.get(seq, 0) if proposed else fed
-            # A decode feeds the one sampled token that has no KV yet (plus drafts to
-            # verify); any other row computes prompt (or recomputed) tokens, even a 1-token
-            # chunk.
-            if fed != 1:
-                prefill += fed
-                continue
-            n = len(seq.token_ids)
-            if not (n > seq.num_prompt_tokens and seq.num_computed_tokens == n - 1):
-                prefill += fed
-        row: dict = {}
+        running = stats.running
+        fed, new, fed_total = _rows(plan, proposed, running)
         index = self._num_steps  # this step's row
-        unwritten = 0  # allocated slots not written by the end of this step
-        refs = 0  # table entries: a block once per table that holds it
-        live, holders = self._live, self._holders
-        for seq, (num_tokens, held_slots, table) in zip(stats.running, stats.holdings, strict=True):
-            written = seq.num_computed_tokens + new.get(seq, 0)
-            unwritten += num_tokens - written
+        holdings = stats.holdings
+        tables = holdings.tables
+        live, counted, holders = self._live, self._tables, self._holders
+        ids: list[int] = []
+        written: list[int] = []
+        decodes = 0
+        for seq, table, f, n in zip(running, tables, fed, new, strict=True):
+            computed = seq.num_computed_tokens
             key = (seq, seq.preemptions)
             holding = live.get(key)
-            if holding is None:
-                holding = live[key] = _Holding()
-            holding.entries.append((index, held_slots, written))
-            holding.written = written
-            refs += len(table)
-            if holding.table != table:  # most steps: a decode within its last block
-                _count_table(holders, holding.table, table)
-                holding.table = table.copy()
+            if holding is None:  # an allocation that starts now
+                holding = live[key] = len(counted)
+                counted.append([])
+            ids.append(holding)
+            written.append(computed + n)
+            if counted[holding] != table:  # most steps: a decode within its last block
+                _count_table(holders, counted[holding], table)
+                counted[holding] = table.copy()
+            # A decode feeds the one sampled token that has no KV yet (plus drafts to
+            # verify), past its prompt; any other row computes prompt (or recomputed)
+            # tokens, even a 1-token chunk.
+            if f == 1 and computed == len(seq.token_ids) - 1 and computed >= seq.num_prompt_tokens:
+                decodes += 1
+        self._entries.add(ids, index, holdings.held_slots, written)
+        unwritten = sum(holdings.num_tokens) - sum(written)  # allocated, not written by the end
+        refs = sum(map(len, tables))  # table entries: a block once per table that holds it
         # Allocations live at the previous step and not now have ended: their tables
         # uncount, and their slots settle (in the order they started).
-        if len(live) > len(stats.running):  # some ended (every running one is live)
-            current = {(seq, seq.preemptions) for seq in stats.running}
+        if len(live) > len(running):  # some ended (every running one is live)
+            current = {(seq, seq.preemptions) for seq in running}
             ended = [key for key in live if key not in current]
-            columns = self._columns
-            for key in ended:
-                holding = live.pop(key)
-                _uncount(holders, holding.table)
-                _settle(holding, columns["slots_future"], columns["slots_internal"], index)
+            gone = [live.pop(key) for key in ended]
+            for holding in gone:
+                _uncount(self._holders, counted[holding])
+                counted[holding] = None
+            self._settle_ended(gone, index)
         tokens = blocks.used_slots - unwritten
         # External fragmentation as the vLLM paper means it: free blocks that cannot serve
         # the request next in line (runs or buddies too small for its region).
         unusable = stats.unusable_free_blocks
         bs = blocks.block_size
-        row.update(
+        prefill = fed_total - decodes
+        return dict(
             prefill_tokens=prefill,
-            decode_tokens=sum(new.values()) - prefill,
+            decode_tokens=sum(new) - prefill,
             num_waiting=stats.num_waiting,
-            num_running=len(stats.running),
+            num_running=len(running),
             num_swapped=stats.num_swapped,
             blocks_used=blocks.used_blocks,
             blocks_free=blocks.free_blocks,
@@ -197,7 +195,16 @@ class Recorder:
             window_blocks_used=stats.window_blocks_used,
             mlx_active_bytes=mx.get_active_memory() if self.measured else 0,
         )
-        return row
+
+    def _settle_ended(self, gone: list[int], index: int) -> None:
+        """Settle the ``gone`` holdings into the step columns (before step ``index``), then
+        let the entries go once they outnumber the live holdings' by enough to compact."""
+        future = np.frombuffer(self._columns["slots_future"], dtype=np.int64)
+        internal = np.frombuffer(self._columns["slots_internal"], dtype=np.int64)
+        count = len(self._tables)
+        _settle(self._entries.of(gone, count), future, internal, index)
+        del future, internal  # the columns grow again next step: no view may outlive this
+        self._entries.compact(list(self._live.values()), count)
 
     def step(
         self,
@@ -247,18 +254,122 @@ class Recorder:
         self._num_steps += 1
 
 
-def _settle(holding: _Holding, future, internal, num_steps: int) -> None:
-    """Move the slots an allocation went on to fill from ``internal`` to ``future`` (step
-    columns) in each of the first ``num_steps`` steps it was live in."""
-    final = holding.written
-    for step, held, written in holding.entries:
-        fills = (held if held < final else final) - written
-        if fills > 0 and step < num_steps:
-            # Capped by the step's unfilled slots: a partial block shared by several holders
-            # (fork) is in each one's held slots but is one block of the arena.
-            moved = min(fills, internal[step])
-            future[step] += moved
-            internal[step] -= moved
+def _rows(
+    plan: SchedulerOutput, proposed: Mapping[Seq, int], running: tuple[Seq, ...]
+) -> tuple[list[int], list[int], int]:
+    """Per running sequence, in order: what its row feeds (its reserved draft slots aside;
+    0 without a row) and its new KV slots (that plus the drafts ``proposed`` for it: a
+    verification writes those, which may be fewer than the slots reserved for them, n-gram
+    lookup); then the rows' total fed."""
+    if not plan.scheduled:
+        none = [0] * len(running)
+        return none, none, 0
+    seqs, num_new, _, drafts, _ = zip(*plan.scheduled, strict=True)
+    fed = list(map(sub, num_new, drafts)) if any(drafts) else list(num_new)
+    new = [f + proposed.get(s, 0) for s, f in zip(seqs, fed, strict=True)] if proposed else fed
+    total = sum(fed)
+    if seqs != running:  # most steps: every running sequence has a row, in order
+        fed_by, new_by = dict(zip(seqs, fed, strict=True)), dict(zip(seqs, new, strict=True))
+        fed = list(map(fed_by.get, running, repeat(0)))
+        new = list(map(new_by.get, running, repeat(0))) if proposed else fed
+    return fed, new, total
+
+
+class _Entries:
+    """The running sequences' (holding, step, held slots, written) of every step, as four
+    flat int64 columns. A step hands its lists as they are (one append each, no conversion
+    per sequence); they become columns in one pass when entries are read or 64 steps wait.
+    Entries of ended holdings are dropped in one pass once the columns have doubled since the
+    last one (amortised O(1) an entry)."""
+
+    _MIN = 1 << 12  # entries below which no compaction is worth a pass
+    _BATCH = 64  # steps handed before they become columns, if no entry is read before
+
+    def __init__(self) -> None:
+        self._columns = np.zeros((4, self._MIN), dtype=np.int64)
+        self._size = 0
+        self._pending: tuple[list, list, list, list] = ([], [], [], [])  # by step, as handed
+        self._limit = self._MIN
+
+    def add(self, holdings: list[int], step: int, held: list[int], written: list[int]) -> None:
+        """A step's entries: its running sequences' holdings, held slots and written slots
+        (lists the caller no longer changes)."""
+        ids, steps, helds, writtens = self._pending
+        ids.append(holdings)
+        steps.append(step)
+        helds.append(held)
+        writtens.append(written)
+        if len(steps) == self._BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        ids, steps, helds, writtens = self._pending
+        if not ids:
+            return
+        counts = list(map(len, ids))
+        total = sum(counts)
+        start, end = self._size, self._size + total
+        if end > self._columns.shape[1]:
+            grown = np.zeros((4, max(2 * self._columns.shape[1], end)), dtype=np.int64)
+            grown[:, :start] = self._columns[:, :start]
+            self._columns = grown
+        columns = self._columns[:, start:end]
+        columns[1] = np.repeat(steps, counts)
+        values = chain.from_iterable(chain(ids, helds, writtens))
+        columns[[0, 2, 3]] = np.fromiter(values, dtype=np.int64, count=3 * total).reshape(3, -1)
+        for lists in self._pending:
+            lists.clear()
+        self._size = end
+
+    def of(self, holdings: list[int], count: int) -> np.ndarray:
+        """The entries of ``holdings`` (numbered below ``count``), in the order they were
+        added: a (4, n) array, a copy."""
+        self._flush()
+        columns = self._columns[:, : self._size]
+        wanted = np.zeros(count, dtype=bool)
+        wanted[holdings] = True
+        return columns[:, np.flatnonzero(wanted[columns[0]])]
+
+    def compact(self, live: list[int], count: int) -> None:
+        """Keep only the entries of the ``live`` holdings, once the columns have doubled
+        since the last compaction."""
+        if self._size + sum(map(len, self._pending[0])) < self._limit:
+            return
+        kept = self.of(live, count)
+        self._size = kept.shape[1]
+        self._columns[:, : self._size] = kept
+        self._limit = max(2 * self._size, self._MIN)
+
+
+def _settle(entries: np.ndarray, future, internal, num_steps: int) -> None:
+    """Move the slots each holding of ``entries`` went on to fill from ``internal`` to
+    ``future`` (step columns, in place) in each of the first ``num_steps`` steps it was live
+    in. A step's move is capped by its unfilled slots (a partial block shared by several
+    holders, a fork, is in each one's held slots but is one block of the arena), so the
+    holdings settle one after another in the order they started (their numbers), each over
+    all its steps at once."""
+    holding = entries[0]
+    if not len(holding):
+        return
+    if holding[0] == holding[-1] and (len(holding) == 1 or (holding == holding[0]).all()):
+        _settle_one(*entries[1:], future, internal, num_steps)  # most often: one ended
+        return
+    order = np.argsort(holding, kind="stable")  # by holding, each in step order
+    step, held, written = (c[order] for c in entries[1:])
+    bounds = np.flatnonzero(np.diff(holding[order])) + 1
+    for part in np.split(np.arange(len(order)), bounds):
+        _settle_one(step[part], held[part], written[part], future, internal, num_steps)
+
+
+def _settle_one(step, held, written, future, internal, num_steps: int) -> None:
+    """``_settle`` for one holding's entries (in step order): its slots in a step count as
+    future up to what it had written at its last step."""
+    fills = np.minimum(held, written[-1]) - written
+    keep = (fills > 0) & (step < num_steps)
+    at = step[keep]
+    moved = np.minimum(fills[keep], internal[at])
+    future[at] += moved
+    internal[at] -= moved
 
 
 def _count_table(holders: dict[int, int], old: list[int], table: list[int]) -> None:

@@ -163,7 +163,7 @@ def test_blocks_shared_counted_as_tables_change_equals_a_union_of_every_table(
     snapshot = e.recorder.snapshot
 
     def checked(stats, plan, proposed):
-        tables = [table for _, _, table in stats.holdings]
+        tables = stats.holdings.tables
         refs = sum(len(t) for t in tables)
         expected.append((refs, refs - len(set().union(*tables))))
         return snapshot(stats, plan, proposed)

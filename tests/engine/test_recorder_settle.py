@@ -1,0 +1,82 @@
+"""The recorder's settling of ``slots_future`` at an allocation's end, fed by hand.
+
+A fork's two sequences share a partial block: each one's held slots count it, the arena
+holds it once. When both end in the same step, the first to have started takes the block's
+unfilled slot as future and the second finds none left (the cap by the step's unfilled
+slots), whatever the order of their entries. Block size 4; every figure is counted below.
+"""
+
+from __future__ import annotations
+
+from allocators.base import Holdings
+from allocators.stats import AllocatorStats
+from harness.costmodel.work import StepWork
+from harness.engine.recorder import Recorder
+from harness.engine.request import Seq
+from harness.engine.sampling_params import SamplingParams
+from schedulers.output import KVStats, Scheduled, SchedulerOutput
+
+
+def _seq(name: str, tokens: int, computed: int) -> Seq:
+    seq = Seq(request_id=name, token_ids=list(range(3)), params=SamplingParams(), arrival_time=0)
+    seq.token_ids = list(range(tokens))
+    seq.num_computed_tokens = computed
+    return seq
+
+
+def _blocks(used_blocks: int, used_slots: int) -> AllocatorStats:
+    return AllocatorStats(
+        num_blocks=8, block_size=4, used_blocks=used_blocks, free_blocks=8 - used_blocks,
+        cached_blocks=0, reserved_slots=4 * used_blocks, used_slots=used_slots,
+        prefix_queries=0, prefix_query_tokens=0, prefix_hit_tokens=0, evictions=0,
+        cow_copies=0, relocations=0, relocated_blocks=0, fork_copies=0,
+    )  # fmt: skip
+
+
+def _step(recorder: Recorder, running, holdings: Holdings, blocks, scheduled) -> None:
+    stats = KVStats(
+        blocks=blocks, running=tuple(running), holdings=holdings, num_waiting=0,
+        num_swapped=0, unusable_free_blocks=0, draft_blocks_used=0, window_blocks_used=0,
+    )  # fmt: skip
+    plan = SchedulerOutput(scheduled=scheduled)
+    row = recorder.snapshot(stats, plan, {})
+    recorder.step(plan, row, 0.0, 1.0, 0.0, 0.0, work=StepWork())
+
+
+def test_forks_sharing_a_partial_block_settle_it_once_in_the_order_they_started():
+    recorder = Recorder(measured=False)
+    # step 0: a and b (3-token prompts, forked) share block 0 holding 3 slots; each holds 4
+    # slots and has written 3. Arena: 1 block, 4 slots, 3 used: tokens 3, internal 1.
+    a, b = _seq("a", 3, 3), _seq("b", 3, 3)
+    _step(recorder, [a, b], Holdings([3, 3], [4, 4], [[0], [0]]), _blocks(1, 3), [])
+    # step 1: each decodes its 4th token into a block of its own (b copied on write):
+    # a's table [0], b's [1]; 2 blocks, 8 slots, 8 used after the writes: internal 0.
+    a.token_ids, b.token_ids = list(range(4)), list(range(4))
+    rows = [Scheduled(a, 1, True), Scheduled(b, 1, True)]
+    _step(recorder, [b, a], Holdings([4, 4], [4, 4], [[1], [0]]), _blocks(2, 8), rows[::-1])
+    # step 2: both have ended. Each went on to fill 4 slots: at step 0 each had 1 more to
+    # fill, but the step had 1 unfilled slot: a (started first) takes it, b finds none.
+    _step(recorder, [], Holdings([], [], []), _blocks(0, 0), [])
+    columns = recorder.step_columns()
+    assert columns["slots_tokens"].tolist() == [3, 8, 0]
+    assert columns["slots_future"].tolist() == [1, 0, 0]
+    assert columns["slots_internal"].tolist() == [0, 0, 0]
+    assert columns["decode_tokens"].tolist() == [0, 2, 0]
+    assert columns["block_refs"].tolist() == [2, 2, 0]
+    assert columns["blocks_shared"].tolist() == [1, 0, 0]  # block 0 in both tables at step 0
+
+
+def test_an_allocation_still_live_counts_what_it_has_written_so_far():
+    # a 3-token prompt in 1 block of 4 (step 0: tokens 3, internal 1), then one decode
+    # (step 1: 4 written). Still running: step 0's unfilled slot is future (filled at step
+    # 1), step 1 has none left.
+    recorder = Recorder(measured=False)
+    a = _seq("a", 3, 0)
+    _step(recorder, [a], Holdings([3], [4], [[0]]), _blocks(1, 3), [Scheduled(a, 3, True)])
+    a.token_ids, a.num_computed_tokens = list(range(4)), 3
+    _step(recorder, [a], Holdings([4], [4], [[0]]), _blocks(1, 4), [Scheduled(a, 1, True)])
+    columns = recorder.step_columns()
+    assert columns["prefill_tokens"].tolist() == [3, 0]
+    assert columns["decode_tokens"].tolist() == [0, 1]
+    assert columns["slots_future"].tolist() == [1, 0]
+    assert columns["slots_internal"].tolist() == [0, 0]

@@ -9,7 +9,6 @@ from schedulers.base import Scheduler
 from schedulers.output import KVStats
 from schedulers.request import Status
 
-
 _REQUEST_ID = attrgetter("request_id")
 
 

@@ -71,7 +71,9 @@ NO_COPIES = Allocation()  # returned whenever nothing is copied: no object per c
 class Holdings(NamedTuple):
     """A batch's memory as ``holdings`` reads it: per sequence, in order, its token slots
     allocated, the slots of the blocks it holds, and its live block table; one list each, so
-    that a step's reader sums or compares a column without a Python object per sequence."""
+    that a step's reader sums or compares a column without a Python object per sequence.
+    The recorder keeps ``held_slots`` for up to 64 steps: an override builds fresh lists on
+    every call, never one it changes later."""
 
     num_tokens: list[int]
     held_slots: list[int]

@@ -202,8 +202,10 @@ class Recorder:
         future = np.frombuffer(self._columns["slots_future"], dtype=np.int64)
         internal = np.frombuffer(self._columns["slots_internal"], dtype=np.int64)
         count = len(self._tables)
-        _settle(self._entries.of(gone, count), future, internal, index)
-        del future, internal  # the columns grow again next step: no view may outlive this
+        try:
+            _settle(self._entries.of(gone, count), future, internal, index)
+        finally:  # the columns grow again next step: no view may outlive this, even a raise
+            del future, internal
         self._entries.compact(list(self._live.values()), count)
 
     def step(

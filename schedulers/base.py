@@ -271,14 +271,17 @@ class Scheduler(ABC):
             if fork is not None:
                 forked.append(fork)
         if results.pending:
-            for seq in results.tokens:
+            for seq in chain(results.tokens, results.sampled):
                 if seq.status is not Status.FINISHED:
                     progress.append_pending(seq)
                     if progress.at_length(seq):
                         self._drain(seq)
             return forked
         now = results.now
-        for seq, (reason, why) in progress.append_all(results.tokens, now):
+        stopped = progress.append_all(results.tokens, now) if results.tokens else []
+        if results.sampled:
+            stopped += progress.append_each(results.sampled, results.sampled_tokens, now)
+        for seq, (reason, why) in stopped:
             self.finish(seq, reason, now, stop_reason=why)
         return forked
 
@@ -345,23 +348,22 @@ class Scheduler(ABC):
         The allocator is asked for every row's growth in one call (``allocate_many``: the
         sequences crossing a block boundary take their blocks there); from the first it
         cannot meet on, one by one, preempting to make room."""
-        rows, places, left, chunk = [], [], budget, self._chunk  # (seq, tokens); in order
-        for i, seq in enumerate(order):
+        rows, requests, left, chunk = [], [], budget, self._chunk  # in order
+        for seq in order:
             if left <= 0:
                 break
             n = chunk(seq, left)
             if n > 0:
-                rows.append((seq, n))
-                places.append(i)
+                end = seq.num_computed_tokens + n
+                rows.append(Scheduled(seq, n, end == len(seq.token_ids)))
+                requests.append((seq.request_id, end))
                 left -= n
-        got = self.allocator.allocate_many(
-            [(seq.request_id, seq.num_computed_tokens + n) for seq, n in rows]
-        )
+        got = self.allocator.allocate_many(requests)
         fit = len(got) if not got or got[-1] is not None else len(got) - 1
-        budget = self._add_rows(out, rows[:fit], got[:fit], budget)
         if fit == len(rows):
-            return budget, False
-        queue = deque(order[places[fit] :])  # from the one that did not fit
+            return self._add_rows(out, rows, got, budget), False
+        budget = self._add_rows(out, rows[:fit], got[:fit], budget)
+        queue = deque(order[order.index(rows[fit].seq) :])  # from the one that did not fit
         pressure = False
         allocate = self.allocator.allocate
         while queue and budget > 0:
@@ -379,7 +381,7 @@ class Scheduler(ABC):
                 if victim is seq:
                     break
             if alloc is not None:
-                budget = self._add_rows(out, [(seq, n)], [alloc], budget)
+                budget = self._add_rows(out, [self._row(seq, n)], [alloc], budget)
         return budget, pressure
 
     def _bring_in(self, out: SchedulerOutput, budget: int, now: float, reserve: int) -> int:
@@ -452,7 +454,7 @@ class Scheduler(ABC):
                 seq.num_cached_tokens_host, seq.num_cached_tokens_disk = host, disk
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-            budget = self._add_rows(out, [(seq, n)], [alloc], budget)
+            budget = self._add_rows(out, [self._row(seq, n)], [alloc], budget)
         for queue, seq in leaving:
             queue.remove(seq)
         return budget
@@ -467,18 +469,20 @@ class Scheduler(ABC):
         return self.allocator.blocks_needed(seq.request_id, seq.num_computed_tokens + 1)
 
     @staticmethod
+    def _row(seq: Request, n: int) -> Scheduled:
+        """``seq``'s row computing ``n`` new tokens (it samples if they reach its end)."""
+        return Scheduled(seq, n, seq.num_computed_tokens + n == len(seq.token_ids))
+
+    @staticmethod
     def _add_rows(
-        out: SchedulerOutput, rows: list[tuple[Request, int]], allocs: list[Allocation], budget: int
+        out: SchedulerOutput, rows: list[Scheduled], allocs: list[Allocation], budget: int
     ) -> int:
-        """Schedule ``rows`` (a sequence, its new tokens), which got ``allocs``; returns the
-        budget they leave."""
+        """Schedule ``rows``, which got ``allocs``; returns the budget they leave."""
         for alloc in allocs:
             if alloc.copies:
                 out.copies.extend(alloc.copies)
-        out.scheduled += [
-            Scheduled(seq, n, seq.num_computed_tokens + n == len(seq.token_ids)) for seq, n in rows
-        ]
-        return budget - sum([n for _, n in rows])
+        out.scheduled += rows
+        return budget - sum([s.num_new_tokens for s in rows])
 
     def _preempt(self, seq: Request, out: SchedulerOutput) -> None:
         """Take a running sequence off the device, by swap when configured and room allows."""

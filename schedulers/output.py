@@ -119,14 +119,18 @@ INFLIGHT = -1  # a sampled token still on the device (pipelined steps): its plac
 class StepResults:
     """What a step's rows produced, handed back to ``Scheduler.update``.
 
-    ``tokens``: per sequence, in order, the tokens to append: a sampling row's one token, or
-    a verification's accepted drafts and then its correction or bonus token. ``forks``:
+    ``tokens``: per sequence, in order, the tokens to append: a verification's accepted
+    drafts and then its correction or bonus token (or any sequence's tokens). ``sampled``
+    and ``sampled_tokens``: the sampling rows' sequences and their one token each, as two
+    lists in order (no list a token), appended after ``tokens``'s. ``forks``:
     (parent, child) completions forked off a parent whose prompt just finished (n > 1),
     after its progress and before any token is appended. ``now``: when the tokens exist on
     the host; None when they are still on the device (``pending``, pipelined steps: each
     gets an ``INFLIGHT`` placeholder that ``Scheduler.resolve`` replaces a step later)."""
 
     tokens: dict[Request, list[int]] = field(default_factory=dict)
+    sampled: list[Request] = field(default_factory=list)
+    sampled_tokens: list[int] = field(default_factory=list)
     forks: list[tuple[Request, Request]] = field(default_factory=list)
     now: float | None = None
     pending: bool = False

@@ -109,6 +109,23 @@ class Progress:
                     break
         return stopped
 
+    def append_each(
+        self, seqs: Sequence[Request], tokens: Sequence[int], now: float
+    ) -> list[tuple[Request, Stop]]:
+        """``append_all`` for sequences that got one token each (a step's sampling rows), as
+        two lists: the sequences that stopped, in order, each with its stop."""
+        stopped = []
+        check, max_seq_len = self.stopping.check, self.max_seq_len
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.token_ids.append(token)
+            seq.token_times.append(now)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason, why = check(seq, token, max_seq_len)
+            if reason is not None:
+                stopped.append((seq, (reason, why)))
+        return stopped
+
     def append_pending(self, seq: Request) -> None:
         """A token still on the device (pipelined steps): a placeholder until ``resolve``."""
         seq.token_ids.append(INFLIGHT)

@@ -14,6 +14,8 @@ from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from harness.engine.beam_search import BeamGroup, BeamSearchParams
 from harness.engine.host_kv import HostKV
 from harness.engine.request import Seq
@@ -63,7 +65,12 @@ def tokenize(model: LoadedModel, request_id: str, prompt: str | Sequence[int]) -
     if not tokens:
         raise RequestError(f"request {request_id!r}: the prompt is empty; give >= 1 token")
     vocab = model.vocab_size
-    if min(tokens) < 0 or max(tokens) >= vocab:  # at C speed; then find the first bad one
+    if isinstance(tokens, array):  # its range by numpy over its buffer, no int per element
+        ids = np.frombuffer(tokens, dtype=tokens.typecode)
+        low, high = int(ids.min()), int(ids.max())
+    else:
+        low, high = min(tokens), max(tokens)
+    if low < 0 or high >= vocab:  # at C speed; then find the first bad one
         bad = next(t for t in tokens if not 0 <= t < vocab)
         raise RequestError(
             f"request {request_id!r}: prompt token id {bad} is outside the vocabulary [0, {vocab})"

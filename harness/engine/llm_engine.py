@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from operator import attrgetter
 from pathlib import Path
 
 import mlx.core as mx
@@ -59,6 +60,8 @@ from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.output import StepResults
 from schedulers.request import Status
 from schedulers.stats import kv_stats
+
+_NUM_COMPUTED = attrgetter("num_computed_tokens")
 
 
 class LLMEngine:
@@ -491,9 +494,10 @@ class LLMEngine:
         the rows that verify some. As ``_build_rows`` counts them, without slicing a token
         list or reading a block table."""
         scheduled = plan.scheduled
-        queries = np.array([s.num_new_tokens for s in scheduled])
-        starts = np.array([s.seq.num_computed_tokens for s in scheduled])
-        num_logits = np.array([s.samples for s in scheduled], dtype=queries.dtype)
+        seqs, num_new, samples, _, _ = zip(*scheduled, strict=True)  # the plan's columns
+        queries = np.array(num_new)
+        starts = np.array(list(map(_NUM_COMPUTED, seqs)))
+        num_logits = np.array(samples, dtype=queries.dtype)
         drafts = {}
         if step.proposals:  # a verification feeds its new tokens but the slots it reserved
             for row, s in enumerate(scheduled):
@@ -516,8 +520,7 @@ class LLMEngine:
         now = self.clock.after(time.perf_counter() - step.start)
         verified, sampled, tokens = drawn.verified, drawn.sampled, drawn.tokens
         got_tokens = {seq: got.tokens for seq, got in verified} if verified else {}
-        got_tokens.update({seq: [token] for seq, token in zip(sampled, tokens, strict=True)})
-        results = StepResults(got_tokens, drawn.forks, now)
+        results = StepResults(got_tokens, sampled, tokens, drawn.forks, now)
         lengths = {seq: len(seq.token_ids) for seq, _ in verified} if verified else None
         forked = self.scheduler.update(plan, results)
         self._settle()

@@ -74,7 +74,7 @@ class Pipeline:
         next step reads it. A sequence that stopped on the previous step's token drops this
         step's row."""
         sampling = [s.seq for s in plan.scheduled if s.samples]
-        self.scheduler.update(plan, StepResults(dict.fromkeys(sampling, ()), pending=True))
+        self.scheduler.update(plan, StepResults(sampled=sampling, pending=True))
         self._inflight = [(seq, k) for k, seq in enumerate(sampling) if not seq.finished]
         self.tokens = tokens if self._inflight else None
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from itertools import chain
+from itertools import chain, repeat
+from operator import attrgetter, sub
 
 from allocators.base import Allocation, BlockAllocator, blocks_for
 from schedulers.admission import fits, never_fits, take_blocks, write_back
@@ -58,6 +59,10 @@ from schedulers.request import Request, Status
 from schedulers.stopping import Stopping
 from schedulers.swap_space import SwapSpace
 
+_TOKEN_IDS = attrgetter("token_ids")
+_COMPUTED = attrgetter("num_computed_tokens")
+_REQUEST_ID = attrgetter("request_id")
+
 
 class Scheduler(ABC):
     """Continuous batching mechanics under the batch constraints; subclasses choose order,
@@ -73,6 +78,7 @@ class Scheduler(ABC):
 
     chunked_prefill = False
     prefill_first = False
+    max_chunk: int | None = None  # the most tokens a row computes (None: all uncomputed)
 
     def __init__(
         self,
@@ -348,16 +354,7 @@ class Scheduler(ABC):
         The allocator is asked for every row's growth in one call (``allocate_many``: the
         sequences crossing a block boundary take their blocks there); from the first it
         cannot meet on, one by one, preempting to make room."""
-        rows, requests, left, chunk = [], [], budget, self._chunk  # in order
-        for seq in order:
-            if left <= 0:
-                break
-            n = chunk(seq, left)
-            if n > 0:
-                end = seq.num_computed_tokens + n
-                rows.append(Scheduled(seq, n, end == len(seq.token_ids)))
-                requests.append((seq.request_id, end))
-                left -= n
+        rows, requests = self._whole_rows(order, budget) or self._chunked_rows(order, budget)
         got = self.allocator.allocate_many(requests)
         fit = len(got) if not got or got[-1] is not None else len(got) - 1
         if fit == len(rows):
@@ -383,6 +380,38 @@ class Scheduler(ABC):
             if alloc is not None:
                 budget = self._add_rows(out, [self._row(seq, n)], [alloc], budget)
         return budget, pressure
+
+    def _whole_rows(
+        self, order: list[Request], budget: int
+    ) -> tuple[list[Scheduled], list[tuple[str, int]]] | None:
+        """Most steps: every sequence of ``order`` computes all its uncomputed tokens, which
+        the budget holds and no chunk cap cuts (decodes). Then its rows (each samples) and
+        allocation requests, built at C speed; else None (``_chunked_rows`` decides)."""
+        ends = list(map(len, map(_TOKEN_IDS, order)))
+        sizes = list(map(sub, ends, map(_COMPUTED, order)))
+        if not sizes or min(sizes) <= 0 or sum(sizes) > budget:
+            return None
+        if self.max_chunk is not None and max(sizes) > self.max_chunk:
+            return None
+        rows = list(map(Scheduled, order, sizes, repeat(True)))
+        return rows, list(zip(map(_REQUEST_ID, order), ends, strict=True))
+
+    def _chunked_rows(
+        self, order: list[Request], budget: int
+    ) -> tuple[list[Scheduled], list[tuple[str, int]]]:
+        """Each sequence of ``order`` grows by ``_chunk`` tokens while the budget lasts: its
+        rows and allocation requests, in order."""
+        rows, requests, left, chunk = [], [], budget, self._chunk
+        for seq in order:
+            if left <= 0:
+                break
+            n = chunk(seq, left)
+            if n > 0:
+                end = seq.num_computed_tokens + n
+                rows.append(Scheduled(seq, n, end == len(seq.token_ids)))
+                requests.append((seq.request_id, end))
+                left -= n
+        return rows, requests
 
     def _bring_in(self, out: SchedulerOutput, budget: int, now: float, reserve: int) -> int:
         """Swap in, then admit, in ``_incoming_order``; the first that does not fit stops it.
@@ -536,6 +565,8 @@ class Scheduler(ABC):
         """Preempt running sequences before scheduling (priority preemption); none here."""
 
     def _chunk(self, seq: Request, budget: int) -> int:
-        """Tokens ``seq`` computes this step: all that remain, if the budget holds them."""
+        """Tokens ``seq`` computes this step: all that remain, if the budget holds them. An
+        override cuts a row only past ``budget`` or ``max_chunk`` (``_whole_rows`` takes
+        the rows within both whole without asking)."""
         n = len(seq.token_ids) - seq.num_computed_tokens  # num_uncomputed_tokens, a call less
         return n if n <= budget else 0

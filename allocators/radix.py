@@ -60,14 +60,36 @@ from __future__ import annotations
 import copy
 import heapq
 import struct
+from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Literal, get_args
+
+import numpy as np
 
 from allocators.base import SeqState, blocks_for
 from allocators.free_list import FreeListAllocator
 from allocators.tier_store import TierStore
 from allocators.tiers import TIERS, KVTier, Tier, TierMove
+
+_UID = struct.Struct("=q").pack  # a key's head: its parent's uid
+
+
+class _KeyBytes:
+    """Keys of a compact prompt's blocks (``array`` of ids): its first ``end`` ids as int32
+    bytes once, by numpy, each key the parent's uid and one block's slice. The same bytes as
+    ``struct``'s pack of the ids as ints (``=q{block_size}i``), 0.4 against 18 us a
+    512-token block."""
+
+    def __init__(self, token_ids: array, end: int, block_size: int) -> None:
+        ids = np.frombuffer(token_ids, dtype=token_ids.typecode)[:end]
+        self._body = ids.astype(np.int32).tobytes()
+        self._width = 4 * block_size
+
+    def __call__(self, parent: int, start: int) -> bytes:
+        at = 4 * start
+        return _UID(parent) + self._body[at : at + self._width]
+
 
 DEVICE, HOST, DISK = range(3)  # a node's ``tier``: an index into ``TIERS``
 # Whether loading ``num_blocks`` blocks (``num_tokens`` tokens, after ``start`` tokens of the
@@ -242,11 +264,19 @@ class RadixAllocator(FreeListAllocator):
     def _path(self, token_ids: Sequence[int]) -> list[_Node]:
         """The cached nodes spelling the longest prefix of ``token_ids`` that leaves at
         least the last token to compute (so the engine gets its logits)."""
-        bs, pack, children = self.block_size, self._pack, self._children
+        bs, children = self.block_size, self._children
         end = max(len(token_ids) - 1, 0) // bs * bs
         parent, path = self._root.uid, []
+        if isinstance(token_ids, array):  # a waiting prompt, compact: its keys from bytes
+            key = _KeyBytes(token_ids, end, bs)
+        else:
+            pack = self._pack
+
+            def key(parent: int, start: int) -> bytes:
+                return pack(parent, *token_ids[start : start + bs])
+
         for start in range(0, end, bs):
-            node = children.get(pack(parent, *token_ids[start : start + bs]))
+            node = children.get(key(parent, start))
             if node is None:
                 break
             path.append(node)

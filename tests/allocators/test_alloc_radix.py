@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from array import array
 import tracemalloc
 
 import pytest
@@ -31,6 +32,20 @@ def test_two_sequences_with_a_common_prefix_share_its_blocks() -> None:
     stats = alloc.stats()
     assert (stats.prefix_queries, stats.prefix_hit_tokens) == (2, 8)
     assert stats.hit_rate == 8 / 19
+    alloc.check()
+
+
+@pytest.mark.parametrize("typecode", ["H", "i", "q"])
+def test_a_compact_prompt_matches_the_blocks_its_list_would(typecode: str) -> None:
+    # A waiting prompt is a trace's compact array; its keys are made from its bytes, a
+    # running sequence's list from its ints: the two must spell the same keys.
+    alloc = RadixAllocator(num_blocks=16, block_size=BS)
+    system = [70000 % 65536, 3, 65535, 9, 1, 2, 4, 8]
+    serve(alloc, "a", [*system, 100, 101])
+    assert alloc.match_prefix("b", array(typecode, [*system, 7, 8, 9])) == 8
+    assert alloc.match_prefix("c", array(typecode, [*system[:4], 5, 6, 7, 8, 9])) == 4
+    assert alloc.match_prefix("d", array(typecode, [1])) == 0
+    assert alloc.block_table("b") == alloc.block_table("a")[:2]
     alloc.check()
 
 

@@ -267,14 +267,7 @@ class RadixAllocator(FreeListAllocator):
         bs, children = self.block_size, self._children
         end = max(len(token_ids) - 1, 0) // bs * bs
         parent, path = self._root.uid, []
-        if isinstance(token_ids, array):  # a waiting prompt, compact: its keys from bytes
-            key = _KeyBytes(token_ids, end, bs)
-        else:
-            pack = self._pack
-
-            def key(parent: int, start: int) -> bytes:
-                return pack(parent, *token_ids[start : start + bs])
-
+        key = self._keys(token_ids, end)
         for start in range(0, end, bs):
             node = children.get(key(parent, start))
             if node is None:
@@ -282,6 +275,18 @@ class RadixAllocator(FreeListAllocator):
             path.append(node)
             parent = node.uid
         return path
+
+    def _keys(self, token_ids: Sequence[int], end: int) -> Callable[[int, int], bytes]:
+        """``key(parent uid, start)``: the tree key of the block of ``token_ids`` from
+        ``start`` (below ``end``) under that parent; a compact array's from its bytes."""
+        if isinstance(token_ids, array):
+            return _KeyBytes(token_ids, end, self.block_size)
+        pack, bs = self._pack, self.block_size
+
+        def key(parent: int, start: int) -> bytes:
+            return pack(parent, *token_ids[start : start + bs])
+
+        return key
 
     @staticmethod
     def _on_device(path: list[_Node]) -> list[_Node]:
@@ -352,11 +357,12 @@ class RadixAllocator(FreeListAllocator):
             return
         node = nodes[table[i - 1]] if i else self._root
         self._clock = now = self._clock + 1
-        bs, pack, children = self.block_size, self._pack, self._children
+        bs, children = self.block_size, self._children
+        keys = self._keys(token_ids, full * bs)
         start, uid, tiered = i * bs, self._uid, self._stores is not None
         known = len(nodes)  # blocks the block map covers
         while i < full:
-            block, key = table[i], pack(node.uid, *token_ids[start : start + bs])
+            block, key = table[i], keys(node.uid, start)
             child, mine = children.get(key), nodes[block] if block < known else None
             if child is None and mine is None:  # the common case: index the block
                 child = children[key] = _Node(key, block, node, now, uid if tiered else block)

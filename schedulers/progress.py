@@ -72,8 +72,11 @@ class Progress:
     def _commit(self, seq: Request, token_ids: Sequence[int]) -> None:
         """Tell the allocator about newly full blocks of written KV (prefix caches share
         them); ``token_ids`` hold at least the computed tokens. The allocator reads them
-        during the call only, so a decode's whole token list goes without a copy."""
+        during the call only, so a decode's whole token list goes without a copy; a
+        prefill's are the prompt as sent (a trace's compact array: its keys at C speed)."""
         n = seq.num_computed_tokens
+        if n <= len(seq.prompt_token_ids):
+            token_ids = seq.prompt_token_ids
         self.allocator.commit(seq.request_id, token_ids if len(token_ids) == n else token_ids[:n])
 
     @staticmethod

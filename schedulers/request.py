@@ -44,6 +44,9 @@ class Request(Protocol):
     # (``Progress.admit``), then a list that grows.
     token_ids: list[int] | Sequence[int]
     num_prompt_tokens: int
+    # The prompt as its sender gave it, kept when ``token_ids`` becomes a list (a commit
+    # within it reads these: a compact array keys a prefix cache's blocks at C speed)
+    prompt_token_ids: Sequence[int]
     params: RequestParams
     priority: int
     arrival_time: float

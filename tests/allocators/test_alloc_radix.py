@@ -46,6 +46,9 @@ def test_a_compact_prompt_matches_the_blocks_its_list_would(typecode: str) -> No
     assert alloc.match_prefix("c", array(typecode, [*system[:4], 5, 6, 7, 8, 9])) == 4
     assert alloc.match_prefix("d", array(typecode, [1])) == 0
     assert alloc.block_table("b") == alloc.block_table("a")[:2]
+    # and a block committed from a compact prompt is found by its list
+    assert serve(alloc, "e", array(typecode, [9, 9, 9, 9, 8, 8, 8, 8, 1])) == 0
+    assert alloc.match_prefix("f", [9, 9, 9, 9, 8, 8, 8, 8, 2]) == 8
     alloc.check()
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping
-from itertools import chain, repeat
-from operator import add, and_, attrgetter, eq, ge, sub
+from itertools import chain, compress, repeat
+from operator import ne, sub
 
 import mlx.core as mx
 import numpy as np
@@ -35,10 +35,6 @@ from harness.engine.speculative import Verifications
 from schedulers.output import KVStats, SchedulerOutput
 
 _TYPECODES = {"int": "q", "float": "d"}
-_COMPUTED = attrgetter("num_computed_tokens")
-_PREEMPTIONS = attrgetter("preemptions")
-_TOKEN_IDS = attrgetter("token_ids")
-_PROMPT_TOKENS = attrgetter("num_prompt_tokens")
 
 
 class Recorder:
@@ -177,26 +173,29 @@ class Recorder:
         holdings = stats.holdings
         tables = holdings.tables
         live, counted = self._live, self._tables
-        computed = list(map(_COMPUTED, running))
-        written = list(map(add, computed, new))  # slots written by the step's end
-        preempts = list(map(_PREEMPTIONS, running))
+        written: list[int] = []  # slots written by the step's end
+        preempts: list[int] = []
+        decodes = 0
+        for seq, f, n in zip(running, fed, new, strict=True):
+            computed = seq.num_computed_tokens
+            written.append(computed + n)
+            preempts.append(seq.preemptions)
+            # A decode feeds the one sampled token that has no KV yet (plus drafts to
+            # verify), past its prompt; any other row computes prompt (or recomputed)
+            # tokens, even a 1-token chunk.
+            if f == 1 and computed == len(seq.token_ids) - 1 and computed >= seq.num_prompt_tokens:
+                decodes += 1
         ids = self._holding_ids(running, preempts)
-        olds = list(map(counted.__getitem__, ids))  # each table as last counted
-        if olds != tables:  # most steps: every sequence decodes within its last block
-            for holding, old, table in zip(ids, olds, tables, strict=True):
-                if old != table:
-                    _count_table(self._holders, old, table)
-                    counted[holding] = table.copy()
+        # Each table against its copy as last counted, compared in C; most steps only the
+        # few that crossed into a new block differ.
+        olds = map(counted.__getitem__, ids)
+        for i in compress(range(len(ids)), map(ne, olds, tables)):
+            holding, table = ids[i], tables[i]
+            _count_table(self._holders, counted[holding], table)
+            counted[holding] = table.copy()
         self._entries.add(ids, index, holdings.held_slots, written)
         unwritten = sum(holdings.num_tokens) - sum(written)  # allocated, not written by the end
         refs = sum(map(len, tables))  # table entries: a block once per table that holds it
-        # A decode feeds the one sampled token that has no KV yet (plus drafts to verify),
-        # past its prompt; any other row computes prompt (or recomputed) tokens, even a
-        # 1-token chunk. Counted over the batch without a Python frame per sequence.
-        one_fed = map(eq, fed, repeat(1))
-        one_left = map(eq, map(sub, map(len, map(_TOKEN_IDS, running)), computed), repeat(1))
-        past_prompt = map(ge, computed, map(_PROMPT_TOKENS, running))
-        decodes = sum(map(and_, map(and_, one_fed, one_left), past_prompt))
         # Allocations live at the previous step and not now have ended: their tables
         # uncount, and their slots settle (in the order they started).
         if len(live) > len(running):  # some ended (every running one is live)

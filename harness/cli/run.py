@@ -159,7 +159,7 @@ def run(
         log.error(
             "replay %s: writing the %d finished requests' rows to %s",
             "interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
-            len(engine.recorder.requests),
+            engine.recorder.num_requests,
             out,
         )
         results.write_tables(out, *_tables(engine))
@@ -329,7 +329,8 @@ def build_component(node: DictConfig) -> Any:
 
 def _tables(engine: LLMEngine):
     steps = pd.DataFrame(engine.recorder.step_columns(), copy=False)  # its arrays, uncopied
-    return requests_frame(engine.recorder.requests), steps_frame(steps)
+    requests = pd.DataFrame(engine.recorder.request_columns(), copy=False)
+    return requests_frame(requests), steps_frame(steps)
 
 
 class Terminated(KeyboardInterrupt):

@@ -22,17 +22,19 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping
-from itertools import chain, repeat
-from operator import sub
+from itertools import chain, compress, repeat
+from operator import ne, sub
 
 import mlx.core as mx
 import numpy as np
 
-from harness.analysis.metrics import STEP_SCHEMA
+from harness.analysis.metrics import REQUEST_SCHEMA, STEP_SCHEMA
 from harness.costmodel.work import StepWork
 from harness.engine.request import Seq
 from harness.engine.speculative import Verifications
 from schedulers.output import KVStats, SchedulerOutput
+
+_TYPECODES = {"int": "q", "float": "d"}
 
 
 class Recorder:
@@ -46,7 +48,12 @@ class Recorder:
         self.enabled = enabled
         self.measured = measured
         self.block_bytes = block_bytes
-        self.requests: list[dict] = []
+        # The finished requests' rows as columns (REQUEST_SCHEMA's order): 8 bytes a number,
+        # against ~0.5 KiB a row as a dict.
+        self._requests: dict[str, array | list] = {
+            name: array(_TYPECODES[kind]) if kind in _TYPECODES else []
+            for name, kind in REQUEST_SCHEMA.items()
+        }
         # The step rows as columns (8 bytes a value, against ~1.5 KiB a step as a dict).
         self._columns = {
             name: array("q" if kind == "int" else "d") for name, kind in STEP_SCHEMA.items()
@@ -63,6 +70,11 @@ class Recorder:
         # How many running tables hold each block (its keys: the distinct blocks), kept up
         # to date as tables change rather than recounted every step.
         self._holders: dict[int, int] = {}
+        # The step before's running set, its preemption counts and holdings (a list the
+        # entries keep, never changed).
+        self._last_running: tuple[Seq, ...] = ()
+        self._last_preempts: list[int] = []
+        self._last_ids: list[int] = []
 
     def step_columns(self) -> dict[str, np.ndarray]:
         """The step table by column (``STEP_COLUMNS``); allocations still live count what
@@ -86,6 +98,28 @@ class Recorder:
         values = zip(*(col.tolist() for col in columns.values()), strict=True)
         return [dict(zip(columns, row, strict=True)) for row in values]
 
+    @property
+    def requests(self) -> list[dict]:
+        """The finished requests' rows, one dict each (as ``request_columns``)."""
+        names = list(self._requests)
+        values = (c.tolist() if isinstance(c, array) else c for c in self._requests.values())
+        return [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
+
+    @property
+    def num_requests(self) -> int:
+        """How many requests have finished (rows recorded)."""
+        return len(self._requests["request_id"])
+
+    def request_columns(self) -> dict[str, np.ndarray | list]:
+        """The request table by column (``REQUEST_COLUMNS``): a typed array per int or
+        float column, a list per object column (its values uncopied), each the caller's."""
+        return {
+            name: np.array(col, dtype=np.int64 if col.typecode == "q" else np.float64)
+            if isinstance(col, array)
+            else list(col)
+            for name, col in self._requests.items()
+        }
+
     def request(self, seq: Seq, **columns) -> None:
         """A finished request's row, from ``seq``; ``columns`` replace what the sequence
         alone cannot say (a beam search's row is its group's, not one beam's)."""
@@ -93,30 +127,34 @@ class Recorder:
             return
         nan = float("nan")
         host, disk = seq.num_cached_tokens_host, seq.num_cached_tokens_disk
-        row = {
-            "request_id": seq.request_id,
-            "priority": seq.priority,
-            "arrival_time": seq.arrival_time,
-            "first_scheduled_time": _or_nan(seq.first_scheduled_time),
-            "first_token_time": _or_nan(seq.first_token_time),
-            "finish_time": seq.finish_time,
-            "prompt_tokens": seq.num_prompt_tokens,
-            "output_tokens": seq.num_output_tokens,
-            "cached_tokens": seq.num_cached_tokens or 0,
-            "forked_tokens": seq.num_forked_tokens,
-            "preemptions": seq.preemptions,
-            "finish_reason": seq.finish_reason,
-            "abort_reason": seq.abort_reason,
-            "ttft_slo": nan if seq.ttft_slo is None else seq.ttft_slo,
-            "tpot_slo": nan if seq.tpot_slo is None else seq.tpot_slo,
-            "token_times": seq.token_times,  # the sequence has left: its array, uncopied
-            "spec_proposed": seq.spec_proposed,
-            "spec_accepted": seq.spec_accepted,
-            "cached_tokens_device": (seq.num_cached_tokens or 0) - host - disk,
-            "cached_tokens_host": host,
-            "cached_tokens_disk": disk,
-        }
-        self.requests.append(row | columns)
+        cached = seq.num_cached_tokens or 0
+        row = (  # REQUEST_COLUMNS' order
+            seq.request_id,
+            seq.priority,
+            seq.arrival_time,
+            _or_nan(seq.first_scheduled_time),
+            _or_nan(seq.first_token_time),
+            _or_nan(seq.finish_time),
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            cached,
+            seq.num_forked_tokens,
+            seq.preemptions,
+            seq.finish_reason,
+            seq.abort_reason,
+            nan if seq.ttft_slo is None else seq.ttft_slo,
+            nan if seq.tpot_slo is None else seq.tpot_slo,
+            seq.token_times,  # the sequence has left: its array, uncopied
+            seq.spec_proposed,
+            seq.spec_accepted,
+            cached - host - disk,
+            host,
+            disk,
+        )
+        if columns:
+            row = [columns.get(name, v) for name, v in zip(self._requests, row, strict=True)]
+        for column, value in zip(self._requests.values(), row, strict=True):
+            column.append(value)
 
     def snapshot(
         self, stats: KVStats | None, plan: SchedulerOutput, proposed: Mapping[Seq, int]
@@ -134,34 +172,34 @@ class Recorder:
         index = self._num_steps  # this step's row
         holdings = stats.holdings
         tables = holdings.tables
-        live, counted, holders = self._live, self._tables, self._holders
-        ids: list[int] = []
-        written: list[int] = []
+        live, counted = self._live, self._tables
+        written: list[int] = []  # slots written by the step's end
+        preempts: list[int] = []
         decodes = 0
-        for seq, table, f, n in zip(running, tables, fed, new, strict=True):
+        for seq, f, n in zip(running, fed, new, strict=True):
             computed = seq.num_computed_tokens
-            key = (seq, seq.preemptions)
-            holding = live.get(key)
-            if holding is None:  # an allocation that starts now
-                holding = live[key] = len(counted)
-                counted.append([])
-            ids.append(holding)
             written.append(computed + n)
-            if counted[holding] != table:  # most steps: a decode within its last block
-                _count_table(holders, counted[holding], table)
-                counted[holding] = table.copy()
+            preempts.append(seq.preemptions)
             # A decode feeds the one sampled token that has no KV yet (plus drafts to
             # verify), past its prompt; any other row computes prompt (or recomputed)
             # tokens, even a 1-token chunk.
             if f == 1 and computed == len(seq.token_ids) - 1 and computed >= seq.num_prompt_tokens:
                 decodes += 1
+        ids = self._holding_ids(running, preempts)
+        # Each table against its copy as last counted, compared in C; most steps only the
+        # few that crossed into a new block differ.
+        olds = map(counted.__getitem__, ids)
+        for i in compress(range(len(ids)), map(ne, olds, tables)):
+            holding, table = ids[i], tables[i]
+            _count_table(self._holders, counted[holding], table)
+            counted[holding] = table.copy()
         self._entries.add(ids, index, holdings.held_slots, written)
         unwritten = sum(holdings.num_tokens) - sum(written)  # allocated, not written by the end
         refs = sum(map(len, tables))  # table entries: a block once per table that holds it
         # Allocations live at the previous step and not now have ended: their tables
         # uncount, and their slots settle (in the order they started).
         if len(live) > len(running):  # some ended (every running one is live)
-            current = {(seq, seq.preemptions) for seq in running}
+            current = set(zip(running, preempts, strict=True))
             ended = [key for key in live if key not in current]
             gone = [live.pop(key) for key in ended]
             for holding in gone:
@@ -195,6 +233,23 @@ class Recorder:
             window_blocks_used=stats.window_blocks_used,
             mlx_active_bytes=mx.get_active_memory() if self.measured else 0,
         )
+
+    def _holding_ids(self, running: tuple[Seq, ...], preempts: list[int]) -> list[int]:
+        """The holding of each running sequence, in order; an allocation that starts now
+        gets the next number. The running set of the step before, the same sequences with
+        the same preemption counts, reuses its list (most steps)."""
+        if running == self._last_running and preempts == self._last_preempts:
+            return self._last_ids
+        live, counted = self._live, self._tables
+        keys = list(zip(running, preempts, strict=True))
+        ids = list(map(live.get, keys))
+        if None in ids:
+            for i, key in enumerate(keys):
+                if ids[i] is None:  # an allocation that starts now
+                    ids[i] = live[key] = len(counted)
+                    counted.append([])
+        self._last_running, self._last_preempts, self._last_ids = running, preempts, ids
+        return ids
 
     def _settle_ended(self, gone: list[int], index: int) -> None:
         """Settle the ``gone`` holdings into the step columns (before step ``index``), then

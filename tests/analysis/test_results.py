@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from harness.analysis import results
-from harness.analysis.metrics import REQUEST_COLUMNS, STEP_COLUMNS, MetricsError
+from harness.analysis.metrics import REQUEST_COLUMNS, STEP_COLUMNS, MetricsError, requests_frame
 from harness.cli.run import run
 
 
@@ -94,3 +94,35 @@ def test_overrides_fall_back_to_the_summary_without_hydra(tmp_path: Path) -> Non
     results.write_summary(tmp_path, {"overrides": ["+engine.seed=3", "model=tiny"]})
     assert results.overrides(tmp_path) == {"engine.seed": 3, "model": "tiny"}
     assert isinstance(results.load(tmp_path), pd.DataFrame)
+
+
+def test_tables_longer_than_a_row_group_keep_every_type_and_value(
+    runs: Path, tmp_path: Path
+) -> None:
+    # 10,000 request rows (more than one row group of 8,192) whose abort_reason is missing
+    # until the last row and whose token_times vary in length: the file's types are those of
+    # the whole table (the last row's string among them), and every value reads back.
+    from array import array
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run_dir = Path(results.load(runs)["run_dir"].iloc[0])
+    requests, steps = results.load_tables(run_dir)
+    many = pd.concat([requests.iloc[[0]]] * 10_000, ignore_index=True)
+    many["request_id"] = [f"r{i}" for i in range(len(many))]
+    many["output_tokens"] = [i % 3 for i in range(len(many))]
+    many["token_times"] = [array("d", [0.5 * i] * (i % 3)) for i in range(len(many))]
+    many["abort_reason"] = [None] * (len(many) - 1) + ["client"]
+    many["finish_reason"] = ["stop"] * (len(many) - 1) + ["abort"]
+    many = requests_frame(many)  # as a run hands it: token_times as float arrays
+    results.write_tables(tmp_path, many, steps)
+    written = pq.read_schema(tmp_path / results.REQUESTS_FILE)
+    assert written.field("abort_reason").type == pa.string()
+    assert written.field("token_times").type == pa.list_(pa.float64())
+    assert pq.ParquetFile(tmp_path / results.REQUESTS_FILE).metadata.num_row_groups == 2
+    back, steps_back = results.load_tables(tmp_path)
+    assert back["request_id"].tolist() == many["request_id"].tolist()
+    assert back["abort_reason"].iloc[-1] == "client" and back["abort_reason"].iloc[0] is None
+    assert [list(t) for t in back["token_times"].iloc[:4]] == [[], [0.5], [1.0, 1.0], []]
+    pd.testing.assert_frame_equal(steps_back, steps)

@@ -80,3 +80,23 @@ def test_an_allocation_still_live_counts_what_it_has_written_so_far():
     assert columns["decode_tokens"].tolist() == [0, 1]
     assert columns["slots_future"].tolist() == [1, 0]
     assert columns["slots_internal"].tolist() == [0, 0]
+
+
+def test_a_sequence_preempted_and_readmitted_between_two_steps_starts_a_new_allocation():
+    # step 0: a's 3-token prompt in block 0 of 4 slots (tokens 3, internal 1). Before step 1
+    # it is preempted (recompute) and admitted again: the running set holds the same
+    # sequence, its preemption count 1. Its first allocation ended having written 3 slots,
+    # so step 0's unfilled slot stays internal (a region freed before it is filled), not
+    # future; the new one recomputes its 3 prompt tokens and its 1 output token into block 1.
+    recorder = Recorder(measured=False)
+    a = _seq("a", 3, 0)
+    _step(recorder, [a], Holdings([3], [4], [[0]]), _blocks(1, 3), [Scheduled(a, 3, True)])
+    a.token_ids, a.num_computed_tokens, a.preemptions = list(range(4)), 0, 1
+    _step(recorder, [a], Holdings([4], [4], [[1]]), _blocks(1, 4), [Scheduled(a, 4, True)])
+    columns = recorder.step_columns()
+    assert columns["prefill_tokens"].tolist() == [3, 4]
+    assert columns["slots_tokens"].tolist() == [3, 4]
+    assert columns["slots_future"].tolist() == [0, 0]
+    assert columns["slots_internal"].tolist() == [1, 0]
+    assert columns["block_refs"].tolist() == [1, 1]
+    assert columns["blocks_shared"].tolist() == [0, 0]

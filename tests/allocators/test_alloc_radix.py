@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import random
-from array import array
 import tracemalloc
+from array import array
 
 import pytest
 

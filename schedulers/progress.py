@@ -97,26 +97,23 @@ class Progress:
         self, tokens: Mapping[Request, Sequence[int]], now: float
     ) -> list[tuple[Request, Stop]]:
         """``append`` for each sequence's tokens, all on the host at ``now``, in one call a
-        step: the sequences that stopped, in order, each with its stop."""
+        step: the sequences that stopped, in order, each with its stop. A token at a time
+        through ``append_each`` (verifications, a few rows a step; the sampling rows' many
+        take ``append_each`` at once)."""
         stopped = []
-        check, max_seq_len = self.stopping.check, self.max_seq_len
         for seq, got in tokens.items():
             for token in got:
-                seq.token_ids.append(token)
-                seq.token_times.append(now)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                reason, why = check(seq, token, max_seq_len)
-                if reason is not None:
-                    stopped.append((seq, (reason, why)))
+                if stop := self.append_each((seq,), (token,), now):
+                    stopped += stop
                     break
         return stopped
 
     def append_each(
         self, seqs: Sequence[Request], tokens: Sequence[int], now: float
     ) -> list[tuple[Request, Stop]]:
-        """``append_all`` for sequences that got one token each (a step's sampling rows), as
-        two lists: the sequences that stopped, in order, each with its stop."""
+        """Append one token to each of ``seqs`` (a step's sampling rows), on the host at
+        ``now``, each stamped and stop-checked: the sequences that stopped, in order, each
+        with its stop."""
         stopped = []
         check, max_seq_len = self.stopping.check, self.max_seq_len
         for seq, token in zip(seqs, tokens, strict=True):

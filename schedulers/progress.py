@@ -24,6 +24,7 @@ from schedulers.request import Request, Status
 from schedulers.stopping import Stopping
 
 Stop = tuple[str, object]  # (finish reason, stop reason)
+_LENGTH: Stop = ("length", None)
 
 
 class Progress:
@@ -44,6 +45,9 @@ class Progress:
         self.keep_kv: set[str] = set()  # requests whose KV the engine saves when they stop
         self.finished: list[Request] = []  # since the engine last took them, in order
         self.released: list[tuple[Request, tuple[int, ...] | None]] = []  # kept KV, ditto
+        # Per sequence with a token appended and not yet closed, ``Stopping.length_limit``
+        # (its params never change): most sequences stop by length alone, one comparison.
+        self._length_limits: dict[Request, int] = {}
 
     def advance(self, plan: SchedulerOutput, tokens: Mapping[Request, Sequence[int]]) -> None:
         """The plan's rows wrote their KV: each scheduled sequence advances by its row's
@@ -113,14 +117,23 @@ class Progress:
     ) -> list[tuple[Request, Stop]]:
         """Append one token to each of ``seqs`` (a step's sampling rows), on the host at
         ``now``, each stamped and stop-checked: the sequences that stopped, in order, each
-        with its stop."""
+        with its stop. A sequence only its length can stop is checked by that alone."""
         stopped = []
         check, max_seq_len = self.stopping.check, self.max_seq_len
+        limits, length_limit = self._length_limits, self.stopping.length_limit
         for seq, token in zip(seqs, tokens, strict=True):
-            seq.token_ids.append(token)
+            token_ids = seq.token_ids
+            token_ids.append(token)
             seq.token_times.append(now)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            limit = limits.get(seq)
+            if limit is None:
+                limit = limits[seq] = length_limit(seq, max_seq_len)
+            if limit:
+                if len(token_ids) >= limit:
+                    stopped.append((seq, _LENGTH))
+                continue
             reason, why = check(seq, token, max_seq_len)
             if reason is not None:
                 stopped.append((seq, (reason, why)))
@@ -175,6 +188,7 @@ class Progress:
     ) -> None:
         """``seq`` finished (``reason`` None: it leaves without a finish of its own, a beam
         its search dropped)."""
+        self._length_limits.pop(seq, None)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finish_time = now

@@ -25,6 +25,17 @@ class Stopping:
     eos_token_ids: tuple[int, ...] = ()
     detokenize: Callable[[Sequence[int]], str] | None = None
 
+    def length_limit(self, seq: Request, max_seq_len: int) -> int:
+        """The token count at which ``seq`` stops with "length", when nothing but its length
+        can stop it (no stop token id, EOS ignored or none, no stop string that can be
+        read): then ``check`` is that one comparison. 0 when a token may stop it sooner."""
+        p = seq.params
+        if p.stop_token_ids or (self.eos_token_ids and not p.ignore_eos):
+            return 0
+        if p.stop and self.detokenize is not None:
+            return 0
+        return min(seq.num_prompt_tokens + p.max_tokens, max_seq_len)
+
     def check(self, seq: Request, token: int, max_seq_len: int) -> tuple[str | None, object]:
         """(finish reason, stop reason) of ``seq`` whose last token, just appended, is
         ``token``; (None, None) when it goes on."""

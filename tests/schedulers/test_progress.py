@@ -45,6 +45,39 @@ def test_stop_checks_follow_vllms_order():
     assert stopping.check(ignoring, EOS, max_seq_len=100) == (None, None)
 
 
+def test_a_sequence_only_its_length_can_stop_is_checked_by_its_length_limit():
+    stopping = Stopping((EOS,))
+    # 4 prompt tokens + max_tokens 3: 7 tokens, unless the sequence limit is shorter
+    assert stopping.length_limit(seq(max_tokens=3, ignore_eos=True), max_seq_len=100) == 7
+    assert stopping.length_limit(seq(max_tokens=3, ignore_eos=True), max_seq_len=6) == 6
+    assert Stopping().length_limit(seq(max_tokens=3), max_seq_len=100) == 7  # no EOS known
+    assert stopping.length_limit(seq(max_tokens=3), max_seq_len=100) == 0  # EOS may stop it
+    assert stopping.length_limit(seq(ignore_eos=True, stop_token_ids=(9,)), 100) == 0
+    with_text = Stopping((EOS,), detokenize=lambda ids: "".join(map(str, ids)))
+    assert with_text.length_limit(seq(ignore_eos=True, stop=("x",)), 100) == 0
+    assert stopping.length_limit(seq(ignore_eos=True, stop=("x",)), 100) > 0  # no text: no
+    # stop string can be read
+    # Appended through update: EOS does not stop the one that ignores it; both stop at 6
+    # tokens (max_tokens 2), the other by its length limit alone.
+    sched = FCFSScheduler(
+        FreeListAllocator(num_blocks=8, block_size=4), stopping=stopping, max_num_seqs=2
+    )
+    plain, eos = seq("p", max_tokens=2, ignore_eos=True), seq("e", max_tokens=2)
+    sched.add(plain)
+    sched.add(eos)
+    plan = sched.schedule(0.0)
+    sched.update(plan, StepResults(sampled=[plain, eos], sampled_tokens=[EOS, 4], now=1.0))
+    assert plain.status is eos.status is Status.RUNNING
+    plan = sched.schedule(2.0)
+    sched.update(plan, StepResults(sampled=[plain, eos], sampled_tokens=[4, 4], now=3.0))
+    assert (plain.finish_reason, plain.stop_reason, plain.output_token_ids) == (
+        "length",
+        None,
+        [EOS, 4],
+    )
+    assert (eos.finish_reason, eos.output_token_ids) == ("length", [4, 4])
+
+
 def test_update_moves_progress_appends_stamps_and_finishes_at_a_stop():
     sched, a = scheduler(), seq(max_tokens=8)
     sched.add(a)

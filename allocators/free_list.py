@@ -48,35 +48,41 @@ class FreeListAllocator(BlockAllocator):
         top = len(ref)  # fresh blocks from len(ref) up to here are in tables, not yet held
         results: list[Allocation | None] = []
         append = results.append
-        for seq_id, num_tokens in requests:
-            s = seqs.get(seq_id)
-            if s is not None and s.num_tokens <= num_tokens <= s.limit:  # ``allocate``'s O(1)
-                self._token_slots += num_tokens - s.num_tokens
-                s.num_tokens = num_tokens
-                append(NO_COPIES)
-                continue
-            if s is not None and type(num_tokens) is int and num_tokens > s.num_tokens:
-                table = s.table
-                new = -(-num_tokens // bs) - len(table)
-                # Past the write limit, no copy: the last block is full, taken by this call
-                # (past ``ref``: its sequence's own) or read by nobody else.
-                if new <= self.num_blocks - top + len(free) and (
-                    not s.num_tokens % bs or table[-1] >= len(ref) or not needs_copy(table[-1])
-                ):
-                    if new:
-                        top = take(table, new, top)
-                    self._token_slots += num_tokens - s.num_tokens
+        grown = 0  # token slots this loop added, not yet in ``_token_slots``
+        try:
+            for seq_id, num_tokens in requests:
+                s = seqs.get(seq_id)
+                if s is not None and s.num_tokens <= num_tokens <= s.limit:  # O(1) ``allocate``
+                    grown += num_tokens - s.num_tokens
                     s.num_tokens = num_tokens
-                    s.limit = len(table) * bs
                     append(NO_COPIES)
                     continue
-            if top != len(ref):
-                self._hold_fresh(top)
-            append(got := self.allocate(seq_id, num_tokens))
-            top = len(ref)
-            if got is None:
-                break
-        self._hold_fresh(top)
+                if s is not None and type(num_tokens) is int and num_tokens > s.num_tokens:
+                    table = s.table
+                    new = -(-num_tokens // bs) - len(table)
+                    # Past the write limit, no copy: the last block is full, taken by this
+                    # call (past ``ref``: its sequence's own) or read by nobody else.
+                    if new <= self.num_blocks - top + len(free) and (
+                        not s.num_tokens % bs or table[-1] >= len(ref) or not needs_copy(table[-1])
+                    ):
+                        if new:
+                            top = take(table, new, top)
+                        grown += num_tokens - s.num_tokens
+                        s.num_tokens = num_tokens
+                        s.limit = len(table) * bs
+                        append(NO_COPIES)
+                        continue
+                if top != len(ref):
+                    self._hold_fresh(top)
+                self._token_slots += grown
+                grown = 0
+                append(got := self.allocate(seq_id, num_tokens))
+                top = len(ref)
+                if got is None:
+                    break
+        finally:  # a wrong request raises after the ones before it took effect
+            self._token_slots += grown
+            self._hold_fresh(top)
         return results
 
     def _take_into(self, table: list[int], count: int, top: int) -> int:

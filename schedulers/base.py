@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, repeat
 from operator import attrgetter, sub
 
-from allocators.base import Allocation, BlockAllocator, blocks_for
+from allocators.base import NO_COPIES, Allocation, BlockAllocator, blocks_for
 from schedulers.admission import fits, never_fits, take_blocks, write_back
 from schedulers.kv_groups import DraftKV, WindowRings
 from schedulers.limits import check_limits
@@ -62,6 +62,7 @@ from schedulers.swap_space import SwapSpace
 _TOKEN_IDS = attrgetter("token_ids")
 _COMPUTED = attrgetter("num_computed_tokens")
 _REQUEST_ID = attrgetter("request_id")
+_NUM_NEW = attrgetter("num_new_tokens")
 
 
 class Scheduler(ABC):
@@ -393,7 +394,9 @@ class Scheduler(ABC):
             return None
         if self.max_chunk is not None and max(sizes) > self.max_chunk:
             return None
-        rows = list(map(Scheduled, order, sizes, repeat(True)))
+        # Each row a Scheduled built in C (its class's __new__ is a Python call a row)
+        fields = zip(order, sizes, repeat(True), repeat(0), repeat(0))
+        rows = list(map(tuple.__new__, repeat(Scheduled), fields))
         return rows, list(zip(map(_REQUEST_ID, order), ends, strict=True))
 
     def _chunked_rows(
@@ -507,11 +510,11 @@ class Scheduler(ABC):
         out: SchedulerOutput, rows: list[Scheduled], allocs: list[Allocation], budget: int
     ) -> int:
         """Schedule ``rows``, which got ``allocs``; returns the budget they leave."""
-        for alloc in allocs:
-            if alloc.copies:
+        if allocs.count(NO_COPIES) != len(allocs):  # most steps copy nothing: no pass then
+            for alloc in allocs:
                 out.copies.extend(alloc.copies)
         out.scheduled += rows
-        return budget - sum([s.num_new_tokens for s in rows])
+        return budget - sum(map(_NUM_NEW, rows))
 
     def _preempt(self, seq: Request, out: SchedulerOutput) -> None:
         """Take a running sequence off the device, by swap when configured and room allows."""

@@ -49,7 +49,8 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, mul
 from typing import NamedTuple
 
 from allocators.stats import AllocatorStats
@@ -352,7 +353,7 @@ class BlockAllocator(ABC):
         states = self._states(seq_ids)
         tables = list(map(_TABLE, states))
         if type(self)._held_count is BlockAllocator._held_count:  # it holds its table
-            held = [len(t) * bs for t in tables]
+            held = list(map(mul, map(len, tables), repeat(bs)))
         else:
             count = self._held_count
             held = [count(s) * bs for s in states]
@@ -446,9 +447,8 @@ class BlockAllocator(ABC):
         return s
 
     def _states(self, seq_ids: Iterable[str]) -> list[SeqState]:
-        seqs = self._seqs
         try:
-            return [seqs[seq_id] for seq_id in seq_ids]
+            return list(map(self._seqs.__getitem__, seq_ids))
         except KeyError as unknown:
             raise self._unknown(unknown.args[0]) from None
 

@@ -54,13 +54,12 @@ class Progress:
         tokens; a verification (``num_draft_tokens``) by its last token and the drafts it
         kept, all of ``tokens[seq]`` but the last. A sequence that finished while its row
         computed (pipelined: it stopped on the previous step's token) is skipped."""
-        bs = self.allocator.block_size
-        for s in plan.scheduled:
-            seq = s.seq
-            if seq.status is Status.FINISHED:
+        bs, finished = self.allocator.block_size, Status.FINISHED
+        for seq, num_new, _, num_draft, _ in plan.scheduled:
+            if seq.status is finished:
                 continue
             before = seq.num_computed_tokens
-            if s.num_draft_tokens:
+            if num_draft:
                 kept = tokens[seq][:-1]
                 seq.num_computed_tokens += len(kept) + 1
                 if seq.num_computed_tokens // bs > before // bs:
@@ -69,7 +68,7 @@ class Progress:
                 if self.draft is not None:
                     self.draft.rollback(seq.request_id, seq.num_computed_tokens)
             else:
-                seq.num_computed_tokens = after = before + s.num_new_tokens
+                seq.num_computed_tokens = after = before + num_new
                 if after // bs > before // bs:
                     self._commit(seq, seq.token_ids)
 

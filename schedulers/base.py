@@ -140,6 +140,9 @@ class Scheduler(ABC):
             self.lookahead = Lookahead(allocator, self.draft, num_lookahead_slots, self.max_seq_len)
         self.rings = window(max_num_seqs=max_num_seqs) if window is not None else None
         self.read_prefix_cache = window is None
+        # The last all-decode order's rows and ids (``_whole_rows``): a named tuple a row is
+        # the costliest part of a step's plan, and most steps repeat the one before.
+        self._last_decodes: tuple[list[Request], list[Scheduled], list[str]] = ([], [], [])
 
     # -- requests in and out -------------------------------------------------------------
     def add(self, seq: Request, restored: int = 0, keep_kv: bool = False) -> None:
@@ -394,10 +397,16 @@ class Scheduler(ABC):
             return None
         if self.max_chunk is not None and max(sizes) > self.max_chunk:
             return None
-        # Each row a Scheduled built in C (its class's __new__ is a Python call a row)
-        fields = zip(order, sizes, repeat(True), repeat(0), repeat(0))
-        rows = list(map(tuple.__new__, repeat(Scheduled), fields))
-        return rows, list(zip(map(_REQUEST_ID, order), ends, strict=True))
+        decodes = sizes.count(1) == len(sizes)
+        last_order, rows, ids = self._last_decodes
+        if not decodes or order != last_order:
+            # Each row a Scheduled built in C (its class's __new__ is a Python call a row)
+            fields = zip(order, sizes, repeat(True), repeat(0), repeat(0))
+            rows = list(map(tuple.__new__, repeat(Scheduled), fields))
+            ids = list(map(_REQUEST_ID, order))
+            if decodes:  # the same sequences decoding next step have the same rows
+                self._last_decodes = (order, rows, ids)
+        return rows, list(zip(ids, ends, strict=True))
 
     def _chunked_rows(
         self, order: list[Request], budget: int

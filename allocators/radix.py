@@ -75,20 +75,17 @@ from allocators.tiers import TIERS, KVTier, Tier, TierMove
 _UID = struct.Struct("=q").pack  # a key's head: its parent's uid
 
 
-class _KeyBytes:
-    """Keys of a compact prompt's blocks (``array`` of ids): its first ``end`` ids as int32
-    bytes once, by numpy, each key the parent's uid and one block's slice. The same bytes as
-    ``struct``'s pack of the ids as ints (``=q{block_size}i``), 0.4 against 18 us a
-    512-token block."""
-
-    def __init__(self, token_ids: array, end: int, block_size: int) -> None:
-        ids = np.frombuffer(token_ids, dtype=token_ids.typecode)[:end]
-        self._body = ids.astype(np.int32).tobytes()
-        self._width = 4 * block_size
-
-    def __call__(self, parent: int, start: int) -> bytes:
-        at = 4 * start
-        return _UID(parent) + self._body[at : at + self._width]
+def _id_bytes(token_ids: Sequence[int], start: int, end: int) -> bytes:
+    """Ids ``start`` to ``end`` of ``token_ids`` as int32 bytes, a block's key body every
+    ``4 * block_size`` bytes (the same bytes as ``struct``'s pack of them as ints): made in
+    C once for a commit's or a match's blocks, a compact prompt's by numpy (0.4 against
+    18 us a 512-token block)."""
+    ids = token_ids[start:end]
+    if not isinstance(ids, array):
+        return array("i", ids).tobytes()
+    if ids.typecode == "i":
+        return ids.tobytes()
+    return np.frombuffer(ids, dtype=ids.typecode).astype(np.int32).tobytes()
 
 
 DEVICE, HOST, DISK = range(3)  # a node's ``tier``: an index into ``TIERS``
@@ -177,8 +174,8 @@ class RadixAllocator(FreeListAllocator):
         # bytes a block up to the highest indexed one (a dict entry costs ~40), grown by use.
         self._nodes: list[_Node | None] = []
         self._children: dict[bytes, _Node] = {}  # node.key -> node, for every node
-        key = struct.Struct(f"=q{block_size}i")  # (parent uid, *tokens) -> key, and back
-        self._pack, self._unpack = key.pack, key.unpack
+        # A key: its parent's uid (``_UID``), then its tokens as int32 (``_id_bytes``)
+        self._unpack = struct.Struct(f"=q{block_size}i").unpack
         self._stores: list[TierStore[_Node] | None] | None = None  # per tier; None: no tiers
         if kv_tier is not None and kv_tier.enabled:
             self._init_tiers(kv_tier, worth_loading)
@@ -267,26 +264,14 @@ class RadixAllocator(FreeListAllocator):
         bs, children = self.block_size, self._children
         end = max(len(token_ids) - 1, 0) // bs * bs
         parent, path = self._root.uid, []
-        key = self._keys(token_ids, end)
-        for start in range(0, end, bs):
-            node = children.get(key(parent, start))
+        body, width = _id_bytes(token_ids, 0, end), 4 * bs
+        for at in range(0, len(body), width):
+            node = children.get(_UID(parent) + body[at : at + width])  # the block's key
             if node is None:
                 break
             path.append(node)
             parent = node.uid
         return path
-
-    def _keys(self, token_ids: Sequence[int], end: int) -> Callable[[int, int], bytes]:
-        """``key(parent uid, start)``: the tree key of the block of ``token_ids`` from
-        ``start`` (below ``end``) under that parent; a compact array's from its bytes."""
-        if isinstance(token_ids, array):
-            return _KeyBytes(token_ids, end, self.block_size)
-        pack, bs = self._pack, self.block_size
-
-        def key(parent: int, start: int) -> bytes:
-            return pack(parent, *token_ids[start : start + bs])
-
-        return key
 
     @staticmethod
     def _on_device(path: list[_Node]) -> list[_Node]:
@@ -358,11 +343,12 @@ class RadixAllocator(FreeListAllocator):
         node = nodes[table[i - 1]] if i else self._root
         self._clock = now = self._clock + 1
         bs, children = self.block_size, self._children
-        keys = self._keys(token_ids, full * bs)
         start, uid, tiered = i * bs, self._uid, self._stores is not None
+        body, width, at = _id_bytes(token_ids, start, full * bs), 4 * bs, 0
         known = len(nodes)  # blocks the block map covers
         while i < full:
-            block, key = table[i], keys(node.uid, start)
+            block, key = table[i], _UID(node.uid) + body[at : at + width]
+            at += width
             child, mine = children.get(key), nodes[block] if block < known else None
             if child is None and mine is None:  # the common case: index the block
                 child = children[key] = _Node(key, block, node, now, uid if tiered else block)

@@ -12,7 +12,7 @@ from harness.engine.sampling_params import SamplingParams, TokenLogprobs
 from schedulers.request import Status
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Seq:
     """One sequence of a request (its only one, or one of its n completions or beams): its
     tokens, how many have KV in the arena, and its timeline (the

@@ -27,7 +27,7 @@ class TraceError(ValueError):
     """A trace file that cannot be replayed; the message names file, line/row, field and fix."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TraceRequest:
     """One request: prompt tokens, arrival (s from trace start) and output length.
 

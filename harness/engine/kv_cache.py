@@ -326,19 +326,20 @@ def _decode_layout(
     bs, heads = block_size, num_kv_heads
     num_read = max(starts) // bs + 1
     pad = [scratch_block] * num_read
-    read, written = [], []  # per row: its blocks read; its new token's arena row, head 0
+    read, written = [], []  # the blocks read, row after row; each new token's row, head 0
     for table, start in zip(tables, starts, strict=True):
         k = start // bs + 1
-        read.append(table[:k] if k == num_read else [*table[:k], *pad[k:]])
+        read += table[:k]
+        if k < num_read:
+            read += pad[k:]
         written.append(table[k - 1] * heads * bs + start % bs)
     head = np.arange(heads, dtype=np.int32)
+    blocks = np.array(read, dtype=np.int32).reshape(len(written), 1, num_read)
     offsets = mx.array(starts, dtype=mx.int32)
     return BatchLayout(
         offsets=offsets,
-        write_rows=mx.array(np.add.outer(np.array(written, dtype=np.int32), head * bs).ravel()),
-        read_rows=mx.array(
-            np.add.outer(np.array(read, dtype=np.int32) * heads, head).swapaxes(1, 2)
-        ),
+        write_rows=mx.array((np.array(written, dtype=np.int32)[:, None] + head * bs).ravel()),
+        read_rows=mx.array(blocks * heads + head[:, None]),
         mask=mx.arange(num_read * bs) <= offsets.reshape(-1, 1, 1, 1),
         num_read_blocks=num_read,
     )

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from itertools import chain
 
 import mlx.core as mx
@@ -320,29 +321,40 @@ def _decode_layout(
     num_kv_heads: int,
 ) -> BatchLayout:
     """``BatchLayout.build`` for rows of one new token each (decode), the step the host
-    builds most often: a few integer operations a row in Python, then a dozen array calls
-    for the whole batch (each numpy or MLX call costs ~10 µs right after a forward has run
-    through the caches, several times what it does in a loop of its own)."""
+    builds most often: a few integer operations a row in Python (each new token's rows, all
+    heads, written out), then four MLX arrays made straight from the lists and a few lazy
+    MLX operations (the read rows' heads broadcast in the forward's graph). No numpy: right
+    after a forward has run through the caches each numpy or MLX call costs ~10 µs, several
+    times what it does in a loop of its own, and this way has the fewest (measured inside a
+    running engine, batch 32 on the tiny model: 200 -> 125 µs with the step's inputs)."""
     bs, heads = block_size, num_kv_heads
     num_read = max(starts) // bs + 1
     pad = [scratch_block] * num_read
-    read, written = [], []  # the blocks read, row after row; each new token's row, head 0
+    head_rows = range(0, heads * bs, bs)  # a head's rows in a block: bs apart
+    read, written = [], []  # the blocks read, row after row; each new token's rows
     for table, start in zip(tables, starts, strict=True):
         k = start // bs + 1
         read += table[:k]
         if k < num_read:
             read += pad[k:]
-        written.append(table[k - 1] * heads * bs + start % bs)
-    head = np.arange(heads, dtype=np.int32)
-    blocks = np.array(read, dtype=np.int32).reshape(len(written), 1, num_read)
+        row = table[k - 1] * heads * bs + start % bs
+        written += [row + h for h in head_rows]
     offsets = mx.array(starts, dtype=mx.int32)
+    blocks = mx.array(read, dtype=mx.int32).reshape(len(starts), 1, num_read)
     return BatchLayout(
         offsets=offsets,
-        write_rows=mx.array((np.array(written, dtype=np.int32)[:, None] + head * bs).ravel()),
-        read_rows=mx.array(blocks * heads + head[:, None]),
+        write_rows=mx.array(written, dtype=mx.int32),
+        read_rows=blocks * heads + _head_column(heads),
         mask=mx.arange(num_read * bs) <= offsets.reshape(-1, 1, 1, 1),
         num_read_blocks=num_read,
     )
+
+
+@cache
+def _head_column(heads: int) -> mx.array:
+    """[heads, 1] int32: 0 .. heads - 1, made once per head count (a constant, never
+    written)."""
+    return mx.arange(heads, dtype=mx.int32)[:, None]
 
 
 def _padded_tables(

@@ -194,9 +194,12 @@ class ModelRunner:
         tokens, starts, num_logits = rows.tokens, rows.starts, rows.num_logits
         lengths = list(map(len, tokens))
         n, width = len(tokens), max(lengths)
-        flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int32, count=sum(lengths))
         last = num_logits.count(1) == n  # each row's logits at its last position
-        if len(flat) == n * width:  # every row as long (decode): no padding
+        if width == 1 and last:  # decode: [B, 1] straight from the rows' one-token lists
+            layout = self._layout(starts, lengths, rows.tables, self.arena)
+            return mx.array(tokens, dtype=mx.int32), (layout, self._ring(rows, lengths)), None
+        flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int32, count=sum(lengths))
+        if len(flat) == n * width:  # every row as long: no padding
             inputs = flat.reshape(n, width)
             picks = None if last and width == 1 else np.arange(width - 1, n * width, width)
         else:
@@ -211,11 +214,14 @@ class ModelRunner:
                 for j in range(k)
             ]
         layout = self._layout(starts, lengths, rows.tables, self.arena)
-        ring = None
-        if self.window is not None:
-            window = self.window
-            ring = self._layout(starts, lengths, rows.rings, window.arena, window.window)
-        return mx.array(inputs), (layout, ring), picks
+        return mx.array(inputs), (layout, self._ring(rows, lengths)), picks
+
+    def _ring(self, rows: _Columns, lengths: list[int]) -> BatchLayout | None:
+        """The batch's layout over its window-layer rings (None: no window layers)."""
+        window = self.window
+        if window is None:
+            return None
+        return self._layout(rows.starts, lengths, rows.rings, window.arena, window.window)
 
     def _layout(
         self,

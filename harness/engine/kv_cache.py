@@ -331,20 +331,18 @@ def _decode_layout(
     num_read = max(starts) // bs + 1
     pad = [scratch_block] * num_read
     head_rows = range(0, heads * bs, bs)  # a head's rows in a block: bs apart
-    read, written = [], []  # the blocks read, row after row; each new token's rows
+    read, written = [], []  # per row [its blocks read, as head 0's rows]; its new token's rows
     for table, start in zip(tables, starts, strict=True):
         k = start // bs + 1
-        read += table[:k]
-        if k < num_read:
-            read += pad[k:]
+        blocks = table[:k] if k == num_read else [*table[:k], *pad[k:]]
+        read.append([[b * heads for b in blocks]])
         row = table[k - 1] * heads * bs + start % bs
         written += [row + h for h in head_rows]
     offsets = mx.array(starts, dtype=mx.int32)
-    blocks = mx.array(read, dtype=mx.int32).reshape(len(starts), 1, num_read)
     return BatchLayout(
         offsets=offsets,
         write_rows=mx.array(written, dtype=mx.int32),
-        read_rows=blocks * heads + _head_column(heads),
+        read_rows=mx.array(read, dtype=mx.int32) + _head_column(heads),  # [B, 1, K] + [H, 1]
         mask=mx.arange(num_read * bs) <= offsets.reshape(-1, 1, 1, 1),
         num_read_blocks=num_read,
     )

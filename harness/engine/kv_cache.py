@@ -26,7 +26,7 @@ words, whatever the format. The paged view hands attention (packed, scales, bias
 and exposes ``bits`` and ``group_size``, so mlx_lm's attention takes its quantized path
 (``quantized_scaled_dot_product_attention``: ``mx.quantized_matmul`` on the gathered blocks).
 
-One batch of a step is described once by a ``BatchLayout`` (index arrays built in numpy),
+One batch of a step is described once by a ``BatchLayout`` (index arrays built on the host),
 shared by every layer's ``PagedKVCache`` view::
 
     row b:  computes n_b new tokens at positions start_b .. start_b+n_b-1 (right-padded to L)
@@ -321,12 +321,13 @@ def _decode_layout(
     num_kv_heads: int,
 ) -> BatchLayout:
     """``BatchLayout.build`` for rows of one new token each (decode), the step the host
-    builds most often: a few integer operations a row in Python (each new token's rows, all
-    heads, written out), then four MLX arrays made straight from the lists and a few lazy
-    MLX operations (the read rows' heads broadcast in the forward's graph). No numpy: right
-    after a forward has run through the caches each numpy or MLX call costs ~10 µs, several
-    times what it does in a loop of its own, and this way has the fewest (measured inside a
-    running engine, batch 32 on the tiny model: 200 -> 125 µs with the step's inputs)."""
+    builds most often: a few integer operations a row in Python (its blocks read as head 0's
+    rows, its new token's rows for every head), then three MLX arrays made straight from the
+    lists, the read rows' other heads one lazy add in the forward's graph, and the mask. No
+    numpy: right after a forward has run through the caches each numpy or MLX call costs
+    ~10 µs, several times what it does in a loop of its own, and this way makes the fewest
+    (measured inside a running engine, batch 32 on the tiny model, with the step's inputs:
+    ~200 -> ~120 µs)."""
     bs, heads = block_size, num_kv_heads
     num_read = max(starts) // bs + 1
     pad = [scratch_block] * num_read

@@ -189,7 +189,7 @@ class ModelRunner:
     def _plan(self, rows: _Columns):
         """One padded batch's inputs [B, L], its layouts, and the flat positions whose logits
         it returns (None: every position, in order, as at decode), from its rows' columns.
-        Built with a few numpy calls over the whole batch, not per row: at decode this is the
+        Built with a few array calls over the whole batch, not per row: at decode this is the
         per-step host work that grows with the batch."""
         tokens, starts, num_logits = rows.tokens, rows.starts, rows.num_logits
         lengths = list(map(len, tokens))

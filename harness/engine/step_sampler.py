@@ -150,8 +150,9 @@ class StepSampler:
         drawn.tokens, drawn.logprobs = [p.token for p in sampled], [p.logprobs for p in sampled]
 
     def _argmax_only(self, seqs: list[Seq]) -> bool:
-        """Every one of ``seqs`` takes the argmax. Per-sequence Python only for those not
-        known to from the last step's: a step of the same sequences is one set comparison."""
+        """Every one of ``seqs`` takes the argmax. ``takes_argmax`` is asked only of those not
+        in the last step's set: a step of the same sequences is one set comparison (by
+        identity, no attribute of a sequence read)."""
         known = self._argmax
         if len(known) == len(seqs) and known.issuperset(seqs):
             return True

@@ -467,6 +467,9 @@ class LLMEngine:
         tables = self.allocator.block_tables([s.seq.request_id for s in scheduled])
         carried = self.pipeline.rows() if self.pipeline is not None else None
         window, proposals = self.window, step.proposals
+        # Row's generated __new__ is a Python frame over tuple.__new__: 0.63 against 0.36 µs
+        # a row, called straight.
+        new_row = tuple.__new__
         rows = []
         for (seq, num_new, samples, num_draft, _), table in zip(scheduled, tables, strict=True):
             start = seq.num_computed_tokens
@@ -490,7 +493,7 @@ class LLMEngine:
                 num_logits += len(positions)
             if window is not None:
                 ring = window.table(seq.request_id)
-            rows.append(Row(fed, start, table, num_logits, on_device, ring))
+            rows.append(new_row(Row, (fed, start, table, num_logits, on_device, ring)))
         return rows
 
     def _build_shape(self, plan: SchedulerOutput, step: StepState) -> StepShape:

@@ -458,34 +458,42 @@ class LLMEngine:
         """The runner's rows: each scheduled sequence's new tokens (and the drafts proposed
         to verify).
 
-        Run once per sequence per step: what only some rows need (drafts, tokens carried
-        from the device, prompt logprobs, window rings) is looked up only when a step has
-        any of them."""
-        carried = self.pipeline.rows() if self.pipeline is not None else {}
-        tables = self.allocator.block_tables([s.seq.request_id for s in plan.scheduled])
-        window = self.window
+        Run once per sequence per step, one pass reading only the sequence's own counts and
+        tokens: what only some rows need (drafts, tokens carried from the device, window
+        rings) is looked up only when a step has any of them, and prompt logprobs only for a
+        row that computes a prompt position before the last (a decode row computes none, so
+        its parameters are not read)."""
+        scheduled = plan.scheduled
+        tables = self.allocator.block_tables([s.seq.request_id for s in scheduled])
+        carried = self.pipeline.rows() if self.pipeline is not None else None
+        window, proposals = self.window, step.proposals
+        # Row's generated __new__ is a Python frame over tuple.__new__: 0.63 against 0.36 µs
+        # a row, called straight.
+        new_row = tuple.__new__
         rows = []
-        for s, table in zip(plan.scheduled, tables, strict=True):
-            seq = s.seq
-            start, tokens = seq.num_computed_tokens, seq.token_ids
-            end = start + s.num_new_tokens - s.num_draft_tokens
-            if s.num_draft_tokens:
+        for (seq, num_new, samples, num_draft, _), table in zip(scheduled, tables, strict=True):
+            start = seq.num_computed_tokens
+            end = start + num_new - num_draft
+            fed = seq.token_ids[start:end]
+            num_logits = 1 if samples else 0
+            on_device = ring = ()
+            if num_draft:
                 # A verification feeds the last token and the drafts, and wants logits for
                 # each.
-                drafts = step.proposals[seq].tokens
-                fed = tokens[start:end] + drafts
-            else:
-                drafts, fed = (), tokens[start:end]
-            num_logits = 1 + len(drafts) if s.samples else 0
+                drafts = proposals[seq].tokens
+                fed = fed + drafts
+                num_logits += len(drafts) if samples else 0
             # The previous step's token, not yet on the host, is fed from the device (it is
             # the sequence's last; a recomputed prefix chunk that stops short never feeds it).
-            on_device = ((end - 1 - start, carried[seq]),) if s.samples and seq in carried else ()
-            if seq.params.prompt_logprobs is not None:
+            if carried and samples and seq in carried:
+                on_device = ((end - 1 - start, carried[seq]),)
+            if start < seq.num_prompt_tokens - 1 and seq.params.prompt_logprobs is not None:
                 # Prompt logprobs want logits at the prompt positions before the sampling one.
-                positions = step.prompt_positions[seq] = prompt_positions(seq, s.num_new_tokens)
+                positions = step.prompt_positions[seq] = prompt_positions(seq, num_new)
                 num_logits += len(positions)
-            ring = window.table(seq.request_id) if window is not None else ()
-            rows.append(Row(fed, start, table, num_logits, on_device, ring))
+            if window is not None:
+                ring = window.table(seq.request_id)
+            rows.append(new_row(Row, (fed, start, table, num_logits, on_device, ring)))
         return rows
 
     def _build_shape(self, plan: SchedulerOutput, step: StepState) -> StepShape:
@@ -545,6 +553,8 @@ class LLMEngine:
 
     def _report(self, progressed: list[Seq]) -> list[RequestOutput]:
         """One output per request of the sequences that got tokens, once all are in."""
+        if not (self.requests.groups or self.requests.beams):  # a sequence per request
+            return self.outputs.report_alone(progressed)
         outputs = []
         seen = set()
         report, report_progress = self.outputs.report, self.outputs.report_progress

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from operator import add
 from typing import NamedTuple, Protocol
 
 import mlx.core as mx
@@ -39,6 +40,18 @@ class Row(NamedTuple):
     num_logits: int = 1
     carried: Sequence[tuple[int, int]] = ()
     ring: Sequence[int] = ()
+
+
+class _Columns(NamedTuple):
+    """A batch's ``Row``s as columns (one ``zip`` over the rows, in C): what the layout and
+    the inputs read, without a pass per field."""
+
+    tokens: tuple[Sequence[int], ...]
+    starts: tuple[int, ...]
+    tables: tuple[Sequence[int], ...]
+    num_logits: tuple[int, ...]
+    carried: tuple[Sequence[tuple[int, int]], ...]
+    rings: tuple[Sequence[int], ...]
 
 
 @dataclass
@@ -119,15 +132,19 @@ class ModelRunner:
         lazy graph. Nothing is evaluated but the groups before the last (see below):
         ``launch`` starts the rest, ``wait`` blocks on it."""
         t0 = time.perf_counter()
-        queries = [len(r.tokens) for r in rows]
-        contexts = [r.start + n for r, n in zip(rows, queries, strict=True)]
+        columns = _Columns(*zip(*rows, strict=True))
+        queries = list(map(len, columns.tokens))
+        contexts = list(map(add, columns.starts, queries))
         groups = group_rows(queries, contexts, self.key_cost)
         # One batch in the rows' own order (most decode steps): no row lists regrouped.
         in_order = len(groups) == 1 and groups[0] == list(range(len(rows)))
         batches = [rows] if in_order else [[rows[i] for i in g] for g in groups]
-        plans = [self._plan(batch) for batch in batches]
+        plans = [
+            self._plan(columns if in_order else _Columns(*zip(*batch, strict=True)))
+            for batch in batches
+        ]
         window = self.window.window if self.window is not None else None
-        logit_rows = sum([r.num_logits for r in rows])
+        logit_rows = sum(columns.num_logits)
         work = forward_work(queries, contexts, logit_rows, groups, self.arena.block_size, window)
         t1 = time.perf_counter()
         outputs: list[mx.array | None] = []
@@ -169,18 +186,20 @@ class ModelRunner:
             pools += [self.window.arena.keys, self.window.arena.values]
         return pools
 
-    def _plan(self, rows: Sequence[Row]):
+    def _plan(self, rows: _Columns):
         """One padded batch's inputs [B, L], its layouts, and the flat positions whose logits
-        it returns (None: every position, in order, as at decode). Built with a few numpy
-        calls over the whole batch, not per row: at decode this is the per-step host work
-        that grows with the batch."""
-        tokens = [r.tokens for r in rows]
-        lengths = [len(t) for t in tokens]
-        n, width = len(rows), max(lengths)
-        flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int32, count=sum(lengths))
-        num_logits = [r.num_logits for r in rows]
+        it returns (None: every position, in order, as at decode), from its rows' columns.
+        Built with a few array calls over the whole batch, not per row: at decode this is the
+        per-step host work that grows with the batch."""
+        tokens, starts, num_logits = rows.tokens, rows.starts, rows.num_logits
+        lengths = list(map(len, tokens))
+        n, width = len(tokens), max(lengths)
         last = num_logits.count(1) == n  # each row's logits at its last position
-        if len(flat) == n * width:  # every row as long (decode): no padding
+        if width == 1 and last:  # decode: [B, 1] straight from the rows' one-token lists
+            layout = self._layout(starts, lengths, rows.tables, self.arena)
+            return mx.array(tokens, dtype=mx.int32), (layout, self._ring(rows, lengths)), None
+        flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int32, count=sum(lengths))
+        if len(flat) == n * width:  # every row as long: no padding
             inputs = flat.reshape(n, width)
             picks = None if last and width == 1 else np.arange(width - 1, n * width, width)
         else:
@@ -194,19 +213,21 @@ class ModelRunner:
                 for b, (length, k) in enumerate(zip(lengths, num_logits, strict=True))
                 for j in range(k)
             ]
-        starts = [r.start for r in rows]
-        layout = self._layout(starts, lengths, [r.table for r in rows], self.arena)
-        ring = None
-        if self.window is not None:
-            rings = [r.ring for r in rows]
-            ring = self._layout(starts, lengths, rings, self.window.arena, self.window.window)
-        return mx.array(inputs), (layout, ring), picks
+        layout = self._layout(starts, lengths, rows.tables, self.arena)
+        return mx.array(inputs), (layout, self._ring(rows, lengths)), picks
+
+    def _ring(self, rows: _Columns, lengths: list[int]) -> BatchLayout | None:
+        """The batch's layout over its window-layer rings (None: no window layers)."""
+        window = self.window
+        if window is None:
+            return None
+        return self._layout(rows.starts, lengths, rows.rings, window.arena, window.window)
 
     def _layout(
         self,
-        starts: list[int],
-        lengths: list[int],
-        tables: list,
+        starts: Sequence[int],
+        lengths: Sequence[int],
+        tables: Sequence[Sequence[int]],
         arena: KVArena,
         window: int | None = None,
     ) -> BatchLayout:

@@ -27,6 +27,7 @@ from harness.engine.request_table import RequestTable
 from harness.engine.sampling import SampleRow, logprob_dict, logprob_values
 from harness.engine.sampling_params import TokenLogprobs
 from harness.platform.models import LoadedModel
+from schedulers.request import Status
 
 
 def prompt_positions(seq: Seq, num_new_tokens: int) -> range:
@@ -57,15 +58,13 @@ class OutputProcessor:
         tokens = seq.token_ids + list(drafts) if drafts else seq.token_ids
         return SampleRow(seq.params, tokens, seq.num_prompt_tokens, seq.rng, banned)
 
-    def argmax_only(self, seqs: Sequence[Seq]) -> bool:
-        """Every one of ``seqs`` takes its logits' argmax: greedy, no penalties, logprobs or
-        banned tokens (``sample_row``'s bans, below ``min_tokens``), so a step of them needs
-        no ``SampleRow``s (``sampling.sample``'s one-argmax case, decided per sequence)."""
-        for seq in seqs:
-            p = seq.params
-            if not p.argmax or (p.min_tokens and self.sample_row(seq).banned):
-                return False
-        return True
+    def takes_argmax(self, seq: Seq) -> bool:
+        """``seq`` takes its logits' argmax: greedy, no penalties, logprobs or banned tokens
+        (``sample_row``'s bans, below ``min_tokens``), so it needs no ``SampleRow``
+        (``sampling.sample``'s one-argmax case). Once true, true for the rest of ``seq``: its
+        parameters never change and its output only grows past ``min_tokens``."""
+        p = seq.params
+        return p.argmax and not (p.min_tokens and self.sample_row(seq).banned)
 
     def report_progress(self, seq: Seq) -> list[RequestOutput]:
         """The output of a request whose ``seq`` got tokens this step: none until all its
@@ -75,6 +74,29 @@ class OutputProcessor:
             if not (group and all(s.finished for s in group)):
                 return []
         return [self.report(seq)]
+
+    def report_alone(self, seqs: Sequence[Seq]) -> list[RequestOutput]:
+        """``report_progress`` of each of ``seqs``, every one its request's only sequence
+        (n = 1, no beam search). A running sequence without logprobs, most of a step's, gets
+        its output built here in one pass (no text, no finish yet, its output tokens copied);
+        any other goes through ``report``."""
+        outputs = []
+        append = outputs.append
+        for seq in seqs:
+            params = seq.params
+            if params.output_kind != "cumulative" and seq.status is not Status.FINISHED:
+                continue  # a final output only: none before it finishes
+            if (
+                seq.status is Status.FINISHED
+                or params.logprobs is not None
+                or params.prompt_logprobs is not None
+            ):
+                append(self.report(seq))
+                continue
+            tokens = seq.token_ids[seq.num_prompt_tokens :]
+            completion = CompletionOutput(seq.index, "", tokens, None, None)
+            append(RequestOutput(seq.group_id, seq.prompt_token_ids, [completion], False))
+        return outputs
 
     def report(self, seq: Seq) -> RequestOutput:
         """The request's output: all its completions (n > 1), finished when all are."""

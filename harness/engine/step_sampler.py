@@ -59,6 +59,10 @@ class StepSampler:
         self.outputs = outputs
         self.forks = forks
         self.logprobs_mode = logprobs_mode
+        # The sequences of the last step that sampled, each of which takes the argmax
+        # (``OutputProcessor.takes_argmax``, true for good once true): a step of the same
+        # ones checks none of them.
+        self._argmax: set[Seq] = set()
 
     def draw(
         self,
@@ -138,12 +142,24 @@ class StepSampler:
     def _sample(self, drawn: Drawn, logits: mx.array) -> None:
         """Draw a token for each of ``drawn.sampled`` from its row of ``logits``."""
         to_sample = drawn.sampled
-        if self.outputs.argmax_only(to_sample):  # no row needs a SampleRow
+        if self._argmax_only(to_sample):  # no row needs a SampleRow
             drawn.tokens, drawn.logprobs = argmax_tokens(logits), [None] * len(to_sample)
             return
         rows = [self.outputs.sample_row(seq) for seq in to_sample]
         sampled = sample(logits, rows, self.logprobs_mode)
         drawn.tokens, drawn.logprobs = [p.token for p in sampled], [p.logprobs for p in sampled]
+
+    def _argmax_only(self, seqs: list[Seq]) -> bool:
+        """Every one of ``seqs`` takes the argmax. ``takes_argmax`` is asked only of those not
+        in the last step's set: a step of the same sequences is one set comparison (by
+        identity, no attribute of a sequence read)."""
+        known = self._argmax
+        if len(known) == len(seqs) and known.issuperset(seqs):
+            return True
+        takes_argmax = self.outputs.takes_argmax
+        argmax = [seq for seq in seqs if seq in known or takes_argmax(seq)]
+        self._argmax = set(argmax)
+        return len(argmax) == len(seqs)
 
     def _verify(
         self, forward: Forward, at: dict[Seq, int], proposals: dict[Seq, Proposal]

@@ -328,7 +328,7 @@ def build_component(node: DictConfig) -> Any:
 
 
 def _tables(engine: LLMEngine):
-    steps = pd.DataFrame(engine.recorder.step_columns(), copy=False)  # its arrays, uncopied
+    steps = pd.DataFrame(engine.recorder.take_step_columns(), copy=False)  # not copied
     requests = pd.DataFrame(engine.recorder.request_columns(), copy=False)
     return requests_frame(requests), steps_frame(steps)
 

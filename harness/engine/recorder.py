@@ -55,7 +55,7 @@ class Recorder:
             for name, kind in REQUEST_SCHEMA.items()
         }
         # The step rows as columns (8 bytes a value, against ~1.5 KiB a step as a dict).
-        self._columns = {
+        self._columns: dict[str, array] | None = {
             name: array("q" if kind == "int" else "d") for name, kind in STEP_SCHEMA.items()
         }
         self._num_steps = 0
@@ -77,18 +77,33 @@ class Recorder:
         self._last_ids: list[int] = []
 
     def step_columns(self) -> dict[str, np.ndarray]:
-        """The step table by column (``STEP_COLUMNS``); allocations still live count what
-        they have written so far."""
+        """The step table by column (``STEP_COLUMNS``), copies (the run may go on);
+        allocations still live count what they have written so far."""
+        return self._settled({name: col.copy() for name, col in self._views().items()})
+
+    def take_step_columns(self) -> dict[str, np.ndarray]:
+        """``step_columns`` as a run's end takes them: the recorder's own arrays, not copies
+        (a 1M-request replay's steps are ~2.3 GB); it records no step after this."""
+        columns = self._settled(self._views())
+        self._columns = None
+        return columns
+
+    def _views(self) -> dict[str, np.ndarray]:
+        """The step columns as numpy views of the recorder's arrays (no step may be recorded
+        while one is alive: an ``array`` cannot grow under a view)."""
+        if self._columns is None:
+            raise RuntimeError("the recorder's step columns were taken (take_step_columns)")
         n = self._num_steps  # a step interrupted while recorded is left out
-        columns = {
-            name: np.frombuffer(col, dtype=np.int64 if col.typecode == "q" else np.float64)[
-                :n
-            ].copy()
+        return {
+            name: np.frombuffer(col, dtype=np.int64 if col.typecode == "q" else np.float64)[:n]
             for name, col in self._columns.items()
         }
+
+    def _settled(self, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``columns`` with the live allocations' ``slots_future`` settled as of now."""
         future, internal = columns["slots_future"], columns["slots_internal"]
         live = list(self._live.values())
-        _settle(self._entries.of(live, len(self._tables)), future, internal, n)
+        _settle(self._entries.of(live, len(self._tables)), future, internal, self._num_steps)
         return columns
 
     @property
@@ -166,6 +181,8 @@ class Recorder:
         sequence's ``num_computed_tokens`` is still pre-step."""
         if stats is None:
             return None
+        if self._columns is None:
+            raise RuntimeError("the recorder's step columns were taken: it records no more steps")
         blocks = stats.blocks
         running = stats.running
         fed, new, fed_total = _rows(plan, proposed, running)

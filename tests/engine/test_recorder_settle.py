@@ -8,6 +8,8 @@ slots), whatever the order of their entries. Block size 4; every figure is count
 
 from __future__ import annotations
 
+import pytest
+
 from allocators.base import Holdings
 from allocators.stats import AllocatorStats
 from harness.costmodel.work import StepWork
@@ -100,3 +102,24 @@ def test_a_sequence_preempted_and_readmitted_between_two_steps_starts_a_new_allo
     assert columns["slots_internal"].tolist() == [1, 0]
     assert columns["block_refs"].tolist() == [1, 1]
     assert columns["blocks_shared"].tolist() == [0, 0]
+
+
+def test_a_runs_end_takes_the_step_columns_uncopied_and_no_step_is_recorded_after():
+    # As the test above: step 0's unfilled slot is future once a has written 4 slots. The
+    # run's end takes the same columns as step_columns, settled alike, but the recorder's
+    # own memory: two takes would share it, so a second is refused, as is a further step.
+    recorder = Recorder(measured=False)
+    a = _seq("a", 3, 0)
+    _step(recorder, [a], Holdings([3], [4], [[0]]), _blocks(1, 3), [Scheduled(a, 3, True)])
+    a.token_ids, a.num_computed_tokens = list(range(4)), 3
+    _step(recorder, [a], Holdings([4], [4], [[0]]), _blocks(1, 4), [Scheduled(a, 1, True)])
+    copied = recorder.step_columns()
+    taken = recorder.take_step_columns()
+    assert taken.keys() == copied.keys()
+    assert all(taken[c].tolist() == copied[c].tolist() for c in copied)
+    assert taken["slots_future"].tolist() == [1, 0]
+    assert not taken["slots_future"].flags.owndata  # a view of the recorder's array
+    with pytest.raises(RuntimeError, match="taken"):
+        recorder.step_columns()
+    with pytest.raises(RuntimeError, match="taken"):
+        _step(recorder, [a], Holdings([4], [4], [[0]]), _blocks(1, 4), [])

@@ -15,7 +15,7 @@ pass over the weights, so rows share one unless padding them together costs more
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -48,22 +48,80 @@ def key_cost(loaded: LoadedModel) -> float:
 
 def group_rows(queries: Sequence[int], contexts: Sequence[int], key_cost: float) -> list[list[int]]:
     """Split rows (indices) of ``queries`` tokens each over ``contexts`` (keys: cached plus
-    new) into padded batches whose total estimated cost is low. Plain ints (a list, or an
-    array's ``.tolist()``): the greedy is a loop, and a numpy scalar per row costs more.
+    new) into padded batches whose total estimated cost is low (lists, or integer arrays).
 
     A padded batch of n rows, the longest Q tokens and the longest context C, costs
     ``GROUP_COST + n * Q * (1 + C * key_cost)`` (in tokens through the weights). Rows are
     taken in order of length then context, and a row joins the current group unless running
     it as a group of its own would cost less than the padding it adds there.
+
+    The rows of the shortest length come first (a decode step's every row): when there are
+    ``_VECTOR_MIN`` or more, their groups are found by numpy (``_equal_queries``), the same
+    float expressions as the loop's (``_greedy``), which takes the rest.
     """
+    n = len(queries)
+    if n < _VECTOR_MIN:
+        return _greedy(sorted(zip(queries, contexts, range(n), strict=True)), key_cost)
+    q = np.asarray(queries, dtype=np.int64)
+    c = np.asarray(contexts, dtype=np.int64)
+    order = np.lexsort((c, q))  # by length, then context, then index (a stable sort)
+    q, c = q[order], c[order]
+    first = int(q[0])
+    run = int(np.searchsorted(q, first, side="right"))  # the rows of the shortest length
+    if run < _VECTOR_MIN:
+        return _greedy(zip(q.tolist(), c.tolist(), order.tolist(), strict=True), key_cost)
+    groups, at = _equal_queries(first, c[:run], order[:run], key_cost)
+    # The loop goes on from the last group as the vector part left it (its longest context
+    # the last row's: contexts ascend within a length).
+    last = int(c[at - 1])
+    here = GROUP_COST + len(groups[-1]) * first * (1.0 + last * key_cost)
+    rest = zip(q[at:].tolist(), c[at:].tolist(), order[at:].tolist(), strict=True)
+    return _greedy(rest, key_cost, groups, last, here)
+
+
+_VECTOR_MIN = 96  # rows of one length from which numpy finds their groups faster
+_VECTOR_GROUPS = 4  # groups numpy finds before the loop takes over (each costs a pass)
+
+
+def _equal_queries(
+    q: int, contexts: np.ndarray, rows: np.ndarray, key_cost: float
+) -> tuple[list[list[int]], int]:
+    """``_greedy``'s first groups over sorted rows of one length ``q`` (``contexts``
+    ascending, ``rows`` their indices), at most ``_VECTOR_GROUPS``: the groups and how many
+    rows they hold. In a group started at row s, row j > s joins while every row before it
+    did, so its group then holds m = j - s rows of the longest context ``contexts[j - 1]``:
+    the test is the loop's ``joined <= here + alone`` with those, for all j at once; the
+    first j that fails starts the next group."""
+    groups: list[list[int]] = []
+    s, n = 0, len(contexts)
+    alone = GROUP_COST + q * (1.0 + contexts * key_cost)  # each row a group of its own
+    scale = 1.0 + contexts * key_cost
+    while s < n and len(groups) < _VECTOR_GROUPS:
+        m = np.arange(1, n - s)  # rows in the group before each next row
+        joined = GROUP_COST + ((m + 1) * q) * scale[s + 1 :]
+        here = GROUP_COST + (m * q) * scale[s : n - 1]
+        fails = np.flatnonzero(joined > here + alone[s + 1 :])
+        end = s + 1 + int(fails[0]) if len(fails) else n
+        groups.append(rows[s:end].tolist())
+        s = end
+    return groups, s
+
+
+def _greedy(
+    rows: Iterable[tuple[int, int, int]],
+    key_cost: float,
+    groups: list[list[int]] | None = None,
+    c: int = 0,
+    here: float = 0.0,
+) -> list[list[int]]:
+    """``group_rows``' greedy over ``rows`` (length, context, index) in sorted order, going
+    on from ``groups`` (its last, of longest context ``c`` and cost ``here``, may grow)."""
     # cost(n, q, c) = GROUP_COST + n * q * (1.0 + c * key_cost), written out in the loop:
     # it runs once per row per step. Rows come by (queries, context, index), so a group's
     # longest row is the one joining, and its longest context the larger of the two.
-    groups: list[list[int]] = []
-    group: list[int] = []
-    c = 0
-    here = 0.0  # the last group's cost
-    for q, ci, i in sorted(zip(queries, contexts, range(len(queries)), strict=True)):
+    groups = groups if groups is not None else []
+    group = groups[-1] if groups else []
+    for q, ci, i in rows:
         if group:
             mc = c if c > ci else ci
             joined = GROUP_COST + (len(group) + 1) * q * (1.0 + mc * key_cost)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness.engine.modelled import ModelledRunner
-from harness.engine.step_shape import StepShape, forward_work
+from harness.engine.step_shape import GROUP_COST, StepShape, forward_work, group_rows
 
 KEY = 1 / 1024
 
@@ -57,3 +57,46 @@ def test_a_verification_keeps_its_drafts_while_accepted_and_changes_the_first_re
     assert len(tokens) == 5 and tokens[1:4].tolist() == [5, 6, 7]
     tokens = runner(acceptance=0.0).forward(step).tokens
     assert len(tokens) == 5 and tokens[1] != 5
+
+
+def _rule(queries, contexts, key):
+    """``group_rows``' rule written out: rows by (length, context, index); a row joins the
+    current group unless running it alone costs less than the padding it adds there."""
+    groups, cost = [], lambda n, q, c: GROUP_COST + n * q * (1.0 + c * key)
+    for q, c, i in sorted(zip(queries, contexts, range(len(queries)), strict=True)):
+        if groups:
+            g = groups[-1]
+            gq, gc = max(queries[r] for r in g), max(contexts[r] for r in g)
+            joined = cost(len(g) + 1, max(gq, q), max(gc, c))
+            if joined <= cost(len(g), gq, gc) + cost(1, q, c):
+                g.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def test_a_long_decode_step_splits_where_the_padding_costs_more_than_a_group():
+    """100 decode rows, even ones at context 100 and odd ones at 500, key 1/1024. The 50 at
+    100 join each other (no padding); the first at 500 would make a group of 51 padded to
+    500: 16 + 51 x (1 + 500/1024) = 91.90, against the 50's 16 + 50 x (1 + 100/1024) =
+    70.88 plus its own 16 + 1.488 = 17.49: 88.37, so it starts a group, which the other 49
+    join."""
+    contexts = [100 if i % 2 == 0 else 500 for i in range(100)]
+    groups = group_rows([1] * 100, contexts, KEY)
+    assert groups == [list(range(0, 100, 2)), list(range(1, 100, 2))]
+    assert group_rows(np.ones(100, dtype=np.int64), np.array(contexts), KEY) == groups
+
+
+def test_long_runs_of_one_length_group_as_the_rule_says():
+    """Steps of 96 to 400 rows, mostly decodes (one length), some with prompt chunks after
+    them, contexts spread or tied: the groups are the rule's, row for row."""
+    rng = np.random.default_rng(7)
+    for case in range(60):
+        n = int(rng.integers(96, 400))
+        queries = [1] * n if case % 3 else rng.choice([1, 1, 1, 1, 8, 64], n).tolist()
+        if case % 4 == 0:  # ties: contexts on a coarse grid
+            contexts = (rng.integers(1, 20, n) * int(rng.integers(1, 500))).tolist()
+        else:
+            contexts = rng.integers(1, 20_000, n).tolist()
+        key = [KEY, 1 / 256, 1 / 16384][case % 3]
+        assert group_rows(queries, contexts, key) == _rule(queries, contexts, key), case

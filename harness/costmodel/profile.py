@@ -42,7 +42,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import itemgetter, mul
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -116,9 +116,10 @@ class MeasuredProfile:
             )
         base, coefficients = self._kinds[kind]
         counts = work.vector()
-        cost = base + sum(c * x for c, x in zip(coefficients, counts, strict=True))
-        moves = self._moved(counts)
-        return cost + sum(c * x for c, x in zip(self._moves, moves, strict=True))
+        # The products summed in order as a generator would, without its frame per term
+        # (both lists are PRICED long, MOVES long: built so in __post_init__).
+        cost = base + sum(map(mul, coefficients, counts))
+        return cost + sum(map(mul, self._moves, self._moved(counts)))
 
 
 class RooflineProfile:

@@ -58,7 +58,7 @@ whose loads may overlap the previous step (``TierCost.step_seconds``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 KINDS = ("decode", "prefill", "mixed", "verify", "idle")
 
@@ -77,9 +77,10 @@ PRICED: tuple[str, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class StepWork:
-    """A step's work (module docstring), a field per steps-table column of the same name."""
+class StepWork(NamedTuple):
+    """A step's work (module docstring), a field per steps-table column of the same name.
+    A named tuple (immutable): one is built every step, and a frozen dataclass's 21 field
+    writes cost several times a tuple's."""
 
     batch_size: int = 0
     swap_out_blocks: int = 0
@@ -139,7 +140,7 @@ class StepWork:
 
 
 # The steps-table columns a StepWork holds, in field order.
-COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(StepWork))
+COLUMNS: tuple[str, ...] = StepWork._fields
 # The sliding-window layers' counts: priced by a roofline (its ``window_attention`` and
 # ``window_swaps`` operators), not among ``PRICED``: a measured profile's fit has no term
 # for them.

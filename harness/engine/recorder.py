@@ -21,20 +21,71 @@ of the last step.
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Mapping
 from itertools import chain, compress, repeat
-from operator import ne, sub
+from operator import attrgetter, itemgetter, ne, sub
 
 import mlx.core as mx
 import numpy as np
 
 from harness.analysis.metrics import REQUEST_SCHEMA, STEP_SCHEMA
-from harness.costmodel.work import StepWork
+from harness.costmodel.work import COLUMNS, StepWork
 from harness.engine.request import Seq
 from harness.engine.speculative import Verifications
 from schedulers.output import KVStats, SchedulerOutput
 
 _TYPECODES = {"int": "q", "float": "d"}
+
+# A step row's columns by who gives them: ``Recorder.snapshot`` (its dict's keys), the step's
+# ``StepWork`` (work.COLUMNS) and ``Recorder.step`` itself (in the order it lists them); each
+# STEP_SCHEMA column once.
+_SNAPSHOT_COLUMNS = (
+    "prefill_tokens",
+    "decode_tokens",
+    "num_waiting",
+    "num_running",
+    "num_swapped",
+    "blocks_used",
+    "blocks_free",
+    "blocks_cached",
+    "block_refs",
+    "blocks_shared",
+    "slots_tokens",
+    "slots_future",
+    "slots_internal",
+    "slots_external",
+    "slots_total",
+    "external_fragmentation",
+    "draft_blocks_used",
+    "window_blocks_used",
+    "mlx_active_bytes",
+)
+_STEP_OWN_COLUMNS = (
+    "host_bytes_loaded",
+    "disk_bytes_loaded",
+    "host_bytes_written",
+    "disk_bytes_written",
+    "tier_time",
+    "step",
+    "start_time",
+    "duration",
+    "forward_time",
+    "build_time",
+    "preempted",
+    "swap_time",
+    "mlx_peak_bytes",
+    "spec_proposed",
+    "spec_accepted",
+    "spec_rejected",
+    "spec_verifications",
+)
+_ROW_COLUMNS = (*_SNAPSHOT_COLUMNS, *COLUMNS, *_STEP_OWN_COLUMNS)
+if sorted(_ROW_COLUMNS) != sorted(STEP_SCHEMA):  # a column added to one place, not the other
+    raise ImportError(f"recorder: step columns {sorted(set(_ROW_COLUMNS) ^ set(STEP_SCHEMA))}")
+_SNAPSHOT_VALUES = itemgetter(*_SNAPSHOT_COLUMNS)
+_WORK_VALUES = attrgetter(*COLUMNS)
+_NO_VERIFICATIONS = Verifications()
 
 
 class Recorder:
@@ -58,6 +109,7 @@ class Recorder:
         self._columns: dict[str, array] | None = {
             name: array("q" if kind == "int" else "d") for name, kind in STEP_SCHEMA.items()
         }
+        self._row_columns = [self._columns[name] for name in _ROW_COLUMNS]  # a row's order
         self._num_steps = 0
         # Each allocation (a sequence from admission to release) is a holding, numbered in
         # the order it started; ``_live`` maps (sequence, preemptions) to the live ones.
@@ -299,32 +351,32 @@ class Recorder:
         tier moves' bytes from their blocks) and the ``snapshot`` taken during it."""
         if not self.enabled:
             return
-        spec = verifications or Verifications()
+        spec = verifications or _NO_VERIFICATIONS
         if not self.measured:
             forward_time = build_time = swap_time = tier_time = 0.0
-        row.update(vars(work))
         size = self.block_bytes
-        row.update(
-            host_bytes_loaded=work.host_blocks_loaded * size,
-            disk_bytes_loaded=work.disk_blocks_loaded * size,
-            host_bytes_written=work.host_blocks_written * size,
-            disk_bytes_written=work.disk_blocks_written * size,
-            tier_time=tier_time,
-            step=self._num_steps,
-            start_time=start,
-            duration=duration,
-            forward_time=forward_time,
-            build_time=build_time,
-            preempted=len(plan.preempted),
-            swap_time=swap_time,
-            mlx_peak_bytes=mx.get_peak_memory() if self.measured else 0,
-            spec_proposed=spec.proposed,
-            spec_accepted=spec.accepted,
-            spec_rejected=spec.rejected,
-            spec_verifications=spec.verifications,
+        values = (
+            *_SNAPSHOT_VALUES(row),
+            *_WORK_VALUES(work),
+            work.host_blocks_loaded * size,  # _STEP_OWN_COLUMNS' order
+            work.disk_blocks_loaded * size,
+            work.host_blocks_written * size,
+            work.disk_blocks_written * size,
+            tier_time,
+            self._num_steps,
+            start,
+            duration,
+            forward_time,
+            build_time,
+            len(plan.preempted),
+            swap_time,
+            mx.get_peak_memory() if self.measured else 0,
+            spec.proposed,
+            spec.accepted,
+            spec.rejected,
+            spec.verifications,
         )
-        for name, column in self._columns.items():
-            column.append(row[name])
+        deque(map(array.append, self._row_columns, values), maxlen=0)  # each its column, in C
         self._num_steps += 1
 
 

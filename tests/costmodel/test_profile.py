@@ -194,7 +194,8 @@ def test_a_steps_table_row_gives_the_counts_it_recorded():
         "duration": 0.5,  # not work: left out
     }
     work = StepWork.from_row(row)
-    assert vars(work) == {k: v for k, v in row.items() if k != "duration"}
+    recorded = {k: v for k, v in row.items() if k != "duration"}
+    assert dict(zip(COLUMNS, work, strict=True)) == recorded
     assert (work.vector()[6:8], work.kind) == ((3, 5), "mixed")
     # A row recorded before the window columns existed: no window work.
     older = StepWork.from_row({k: v for k, v in row.items() if not k.startswith("window_")})

@@ -3,8 +3,6 @@ each step is under, and a saved profile's predictions after load."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from harness.costmodel.profile import ProfileError, RooflineProfile, fingerprint, load, save
@@ -124,7 +122,7 @@ def test_decode_of_7b_reads_its_weights_once():
 def test_more_work_never_costs_less(device, count):
     small = profile(shape_of("small"), device)
     base = decode_step(8, 256, 16)
-    more = replace(base, **{count: getattr(base, count) * 2 + 1})
+    more = base._replace(**{count: getattr(base, count) * 2 + 1})
     assert small.predict(more) >= small.predict(base)
 
 
@@ -151,14 +149,14 @@ def test_block_moves_cost_their_bytes():
 
 
 def test_verify_step_needs_a_draft_model():
-    verify = replace(decode_step(4, 512, 16), draft_rounds=3, draft_tokens=12)
+    verify = decode_step(4, 512, 16)._replace(draft_rounds=3, draft_tokens=12)
     with pytest.raises(ProfileError, match="draft"):
         profile(shape_of("small")).predict(verify)
     speculative = profile(shape_of("small"), draft=shape_of("tiny"))
     draft_weights = (
         3_211_264 * 4
     )  # tiny: 4 x (2 x 256^2 + 2 x 256 x 128 + 3 x 256 x 704) + 256 x 1024
-    plain = replace(verify, draft_rounds=0, draft_tokens=0)
+    plain = verify._replace(draft_rounds=0, draft_tokens=0)
     extra = speculative.predict(verify) - speculative.predict(plain)
     assert extra == pytest.approx(3 * draft_weights / A100_BW)
 
@@ -192,7 +190,7 @@ def test_saved_profile_predicts_identically_after_load(tmp_path):
         decode_step(7, 333, 16),
         prefill_step(1000, 16),
         StepWork(block_copies=2, swap_out_blocks=5),
-        replace(decode_step(3, 90, 16), draft_rounds=4, draft_tokens=16, row_groups=2),
+        decode_step(3, 90, 16)._replace(draft_rounds=4, draft_tokens=16, row_groups=2),
     ]
     assert [loaded.predict(s) for s in steps] == [fresh.predict(s) for s in steps]
 
@@ -296,8 +294,8 @@ def test_the_model_clock_prices_copies_and_swaps_over_both_columns():
         draft_rounds=4,
         draft_tokens=9,
     )
-    summed = replace(
-        work, block_copies=3, draft_block_copies=0, swap_out_blocks=5, swap_in_blocks=0
+    summed = work._replace(
+        block_copies=3, draft_block_copies=0, swap_out_blocks=5, swap_in_blocks=0
     )
     clock = ModelClock(roofline)
     clock.charge(work)

@@ -10,7 +10,6 @@ bytes a token, 65,536 a block of 16."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -165,7 +164,7 @@ def test_a_prefetch_hides_loads_behind_the_previous_step_but_not_behind_an_idle_
     profile = load(toy_profile(model, tmp_path, moves={"block_copies": 0.0, "swap_blocks": SWAP}))
     tiers = TierCost.of(profile, BLOCK_BYTES, 16)
     decode = StepWork(batch_size=1, row_groups=1, query_tokens_padded=1, single_token_rows=1)
-    loading = replace(decode, host_blocks_loaded=3)
+    loading = decode._replace(host_blocks_loaded=3)
     clock = ModelClock(profile, tiers=tiers)
     clock.charge(decode)
     assert clock.advance(0.0) == pytest.approx(0.010)

@@ -137,19 +137,23 @@ class Recorder:
         """``step_columns`` as a run's end takes them: the recorder's own arrays, not copies
         (a 1M-request replay's steps are ~2.3 GB); it records no step after this."""
         columns = self._settled(self._views())
-        self._columns = None
+        self._columns, self._row_columns = None, []
         return columns
 
     def _views(self) -> dict[str, np.ndarray]:
         """The step columns as numpy views of the recorder's arrays (no step may be recorded
         while one is alive: an ``array`` cannot grow under a view)."""
-        if self._columns is None:
-            raise RuntimeError("the recorder's step columns were taken (take_step_columns)")
+        self._open()
         n = self._num_steps  # a step interrupted while recorded is left out
         return {
             name: np.frombuffer(col, dtype=np.int64 if col.typecode == "q" else np.float64)[:n]
             for name, col in self._columns.items()
         }
+
+    def _open(self) -> None:
+        """Raise once a run's end took the step columns (``take_step_columns``)."""
+        if self._columns is None:
+            raise RuntimeError("the recorder's step columns were taken: it records no more steps")
 
     def _settled(self, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``columns`` with the live allocations' ``slots_future`` settled as of now."""
@@ -233,8 +237,7 @@ class Recorder:
         sequence's ``num_computed_tokens`` is still pre-step."""
         if stats is None:
             return None
-        if self._columns is None:
-            raise RuntimeError("the recorder's step columns were taken: it records no more steps")
+        self._open()
         blocks = stats.blocks
         running = stats.running
         fed, new, fed_total = _rows(plan, proposed, running)
@@ -351,6 +354,7 @@ class Recorder:
         tier moves' bytes from their blocks) and the ``snapshot`` taken during it."""
         if not self.enabled:
             return
+        self._open()
         spec = verifications or _NO_VERIFICATIONS
         if not self.measured:
             forward_time = build_time = swap_time = tier_time = 0.0

@@ -123,3 +123,5 @@ def test_a_runs_end_takes_the_step_columns_uncopied_and_no_step_is_recorded_afte
         recorder.step_columns()
     with pytest.raises(RuntimeError, match="taken"):
         _step(recorder, [a], Holdings([4], [4], [[0]]), _blocks(1, 4), [])
+    with pytest.raises(RuntimeError, match="taken"):  # nor a row without a snapshot
+        recorder.step(SchedulerOutput(), {}, 0.0, 1.0, 0.0, 0.0, work=StepWork())

@@ -21,7 +21,6 @@ of the last step.
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Mapping
 from itertools import chain, compress, repeat
 from operator import attrgetter, itemgetter, ne, sub
@@ -35,7 +34,7 @@ from harness.engine.request import Seq
 from harness.engine.speculative import Verifications
 from schedulers.output import KVStats, SchedulerOutput
 
-_TYPECODES = {"int": "q", "float": "d"}
+_TYPECODES = {"int": "q", "float": "d"}  # a column's array, by its kind
 
 # A step row's columns by who gives them: ``Recorder.snapshot`` (its dict's keys), the step's
 # ``StepWork`` (work.COLUMNS) and ``Recorder.step`` itself (in the order it lists them); each
@@ -52,8 +51,6 @@ _SNAPSHOT_COLUMNS = (
     "block_refs",
     "blocks_shared",
     "slots_tokens",
-    "slots_future",
-    "slots_internal",
     "slots_external",
     "slots_total",
     "external_fragmentation",
@@ -80,9 +77,13 @@ _STEP_OWN_COLUMNS = (
     "spec_rejected",
     "spec_verifications",
 )
+# The snapshot's two columns that ``_settle`` completes as allocations end, kept apart (each
+# an array, written into at past steps): the KV breakdown's future and internal slots.
+_SETTLED_COLUMNS = ("slots_future", "slots_internal")
 _ROW_COLUMNS = (*_SNAPSHOT_COLUMNS, *COLUMNS, *_STEP_OWN_COLUMNS)
-if sorted(_ROW_COLUMNS) != sorted(STEP_SCHEMA):  # a column added to one place, not the other
-    raise ImportError(f"recorder: step columns {sorted(set(_ROW_COLUMNS) ^ set(STEP_SCHEMA))}")
+_ALL_COLUMNS = (*_ROW_COLUMNS, *_SETTLED_COLUMNS)
+if sorted(_ALL_COLUMNS) != sorted(STEP_SCHEMA):  # a column added to one place, not the other
+    raise ImportError(f"recorder: step columns {sorted(set(_ALL_COLUMNS) ^ set(STEP_SCHEMA))}")
 _SNAPSHOT_VALUES = itemgetter(*_SNAPSHOT_COLUMNS)
 _WORK_VALUES = attrgetter(*COLUMNS)
 _NO_VERIFICATIONS = Verifications()
@@ -105,11 +106,13 @@ class Recorder:
             name: array(_TYPECODES[kind]) if kind in _TYPECODES else []
             for name, kind in REQUEST_SCHEMA.items()
         }
-        # The step rows as columns (8 bytes a value, against ~1.5 KiB a step as a dict).
-        self._columns: dict[str, array] | None = {
-            name: array("q" if kind == "int" else "d") for name, kind in STEP_SCHEMA.items()
-        }
-        self._row_columns = [self._columns[name] for name in _ROW_COLUMNS]  # a row's order
+        # The step rows as columns: 8 bytes a value, or none while a column holds one
+        # constant (``_Columns``), against ~1.5 KiB a step as a dict; ``_SETTLED_COLUMNS``
+        # as arrays. None once a run's end took them.
+        self._columns: _Columns | None = _Columns(
+            {name: _TYPECODES[STEP_SCHEMA[name]] for name in _ROW_COLUMNS}
+        )
+        self._future, self._internal = array("q"), array("q")
         self._num_steps = 0
         # Each allocation (a sequence from admission to release) is a holding, numbered in
         # the order it started; ``_live`` maps (sequence, preemptions) to the live ones.
@@ -137,18 +140,19 @@ class Recorder:
         """``step_columns`` as a run's end takes them: the recorder's own arrays, not copies
         (a 1M-request replay's steps are ~2.3 GB); it records no step after this."""
         columns = self._settled(self._views())
-        self._columns, self._row_columns = None, []
+        self._columns = None
         return columns
 
     def _views(self) -> dict[str, np.ndarray]:
-        """The step columns as numpy views of the recorder's arrays (no step may be recorded
+        """The step columns (STEP_SCHEMA's order) as numpy views of the recorder's arrays,
+        a constant column as a read-only view of its one value (no step may be recorded
         while one is alive: an ``array`` cannot grow under a view)."""
         self._open()
         n = self._num_steps  # a step interrupted while recorded is left out
-        return {
-            name: np.frombuffer(col, dtype=np.int64 if col.typecode == "q" else np.float64)[:n]
-            for name, col in self._columns.items()
-        }
+        views = self._columns.views(n)
+        views["slots_future"] = np.frombuffer(self._future, dtype=np.int64)[:n]
+        views["slots_internal"] = np.frombuffer(self._internal, dtype=np.int64)[:n]
+        return {name: views[name] for name in STEP_SCHEMA}
 
     def _open(self) -> None:
         """Raise once a run's end took the step columns (``take_step_columns``)."""
@@ -326,8 +330,8 @@ class Recorder:
     def _settle_ended(self, gone: list[int], index: int) -> None:
         """Settle the ``gone`` holdings into the step columns (before step ``index``), then
         let the entries go once they outnumber the live holdings' by enough to compact."""
-        future = np.frombuffer(self._columns["slots_future"], dtype=np.int64)
-        internal = np.frombuffer(self._columns["slots_internal"], dtype=np.int64)
+        future = np.frombuffer(self._future, dtype=np.int64)
+        internal = np.frombuffer(self._internal, dtype=np.int64)
         count = len(self._tables)
         try:
             _settle(self._entries.of(gone, count), future, internal, index)
@@ -380,7 +384,9 @@ class Recorder:
             spec.rejected,
             spec.verifications,
         )
-        deque(map(array.append, self._row_columns, values), maxlen=0)  # each its column, in C
+        self._columns.append(values)
+        self._future.append(row["slots_future"])
+        self._internal.append(row["slots_internal"])
         self._num_steps += 1
 
 
@@ -403,6 +409,62 @@ def _rows(
         fed = list(map(fed_by.get, running, repeat(0)))
         new = list(map(new_by.get, running, repeat(0))) if proposed else fed
     return fed, new, total
+
+
+class _Columns:
+    """Step columns filled a row at a time. Rows wait as tuples and become columns
+    ``_BATCH`` at a time; a column whose every value so far is one constant (most are, in
+    most runs: no speculation, tiers or swaps leaves theirs 0) is kept as that value, and
+    becomes an array (8 bytes a value) only at its first other value."""
+
+    _BATCH = 1024
+
+    def __init__(self, typecodes: dict[str, str]) -> None:
+        """``typecodes``: each column's array typecode, in a row's order."""
+        self._typecodes = typecodes
+        self._arrays: list[array | None] = [None] * len(typecodes)  # None: constant so far
+        self._constants: list[object] = [0] * len(typecodes)  # the value while constant
+        self._count = 0  # rows in the columns
+        self._rows: list[tuple] = []  # rows waiting
+
+    def append(self, row: tuple) -> None:
+        """One row, its values in the columns' order."""
+        self._rows.append(row)
+        if len(self._rows) == self._BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        rows, count = self._rows, self._count
+        if not rows:
+            return
+        arrays, constants = self._arrays, self._constants
+        columns = zip(zip(*rows, strict=True), self._typecodes.values(), strict=True)
+        for i, (values, code) in enumerate(columns):
+            column = arrays[i]
+            if column is None:
+                value = constants[i] if count else values[0]
+                if values.count(value) == len(values):  # still that one value
+                    constants[i] = value
+                    continue
+                column = arrays[i] = array(code, repeat(value, count))
+            column.extend(values)
+        self._count = count + len(rows)
+        self._rows = []
+
+    def views(self, n: int) -> dict[str, np.ndarray]:
+        """The first ``n`` rows of each column: a numpy view of its array, or of its one
+        value (read-only, repeated without memory)."""
+        self._flush()
+        views = {}
+        for (name, code), column, value in zip(
+            self._typecodes.items(), self._arrays, self._constants, strict=True
+        ):
+            dtype = np.int64 if code == "q" else np.float64
+            if column is None:
+                views[name] = np.broadcast_to(np.asarray(value, dtype=dtype), (n,))
+            else:
+                views[name] = np.frombuffer(column, dtype=dtype)[:n]
+        return views
 
 
 class _Entries:

@@ -12,6 +12,7 @@ import pytest
 
 from allocators.base import Holdings
 from allocators.stats import AllocatorStats
+from harness.analysis.metrics import STEP_SCHEMA
 from harness.costmodel.work import StepWork
 from harness.engine.recorder import Recorder
 from harness.engine.request import Seq
@@ -125,3 +126,28 @@ def test_a_runs_end_takes_the_step_columns_uncopied_and_no_step_is_recorded_afte
         _step(recorder, [a], Holdings([4], [4], [[0]]), _blocks(1, 4), [])
     with pytest.raises(RuntimeError, match="taken"):  # nor a row without a snapshot
         recorder.step(SchedulerOutput(), {}, 0.0, 1.0, 0.0, 0.0, work=StepWork())
+
+
+def test_a_column_is_kept_as_one_value_until_its_first_other_value():
+    # 3,000 steps of one decoding sequence (over two batches of rows): block_copies is 0 up
+    # to step 1,999, then its step's index; duration 1.0 throughout. Each column reads as
+    # recorded, and one that held a single value takes no memory a step.
+    recorder = Recorder(measured=False)
+    a = _seq("a", 3, 3)
+    holdings, blocks = Holdings([3], [4], [[0]]), _blocks(1, 3)
+    stats = KVStats(
+        blocks=blocks, running=(a,), holdings=holdings, num_waiting=0,
+        num_swapped=0, unusable_free_blocks=0, draft_blocks_used=0, window_blocks_used=0,
+    )  # fmt: skip
+    plan = SchedulerOutput(scheduled=[])
+    for i in range(3000):
+        row = recorder.snapshot(stats, plan, {})
+        work = StepWork(block_copies=i if i >= 2000 else 0)
+        recorder.step(plan, row, float(i), 1.0, 0.0, 0.0, work=work)
+    columns = recorder.take_step_columns()
+    assert columns["block_copies"].tolist() == [0] * 2000 + list(range(2000, 3000))
+    assert columns["start_time"].tolist() == [float(i) for i in range(3000)]
+    assert columns["duration"].tolist() == [1.0] * 3000
+    assert columns["duration"].strides == (0,)  # one value, repeated without memory
+    assert columns["step"].tolist() == list(range(3000))
+    assert list(columns) == list(STEP_SCHEMA)

@@ -100,3 +100,22 @@ def test_long_runs_of_one_length_group_as_the_rule_says():
             contexts = rng.integers(1, 20_000, n).tolist()
         key = [KEY, 1 / 256, 1 / 16384][case % 3]
         assert group_rows(queries, contexts, key) == _rule(queries, contexts, key), case
+
+
+def test_short_steps_of_one_length_group_as_the_rule_says():
+    """Steps of 2 to 95 rows all of one length (decodes, or equal chunks), contexts close
+    (one group), spread (several) or tied: the groups are the rule's, row for row."""
+    rng = np.random.default_rng(11)
+    splits = 0
+    for case in range(300):
+        n = int(rng.integers(2, 96))
+        q = [1, 1, 8, 64][case % 4]
+        top = [50, 2_000, 60_000][case % 3]
+        contexts = (rng.integers(1, top, n) + q).tolist()
+        if case % 5 == 0:  # ties
+            contexts = [contexts[0]] * (n // 2) + contexts[n // 2 :]
+        key = [KEY, 1 / 256, 1 / 16384][case % 3]
+        expected = _rule([q] * n, contexts, key)
+        splits += len(expected) > 1
+        assert group_rows([q] * n, contexts, key) == expected, case
+    assert 30 < splits < 270  # both kinds of step were tried

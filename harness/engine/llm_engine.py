@@ -31,7 +31,6 @@ from operator import attrgetter
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from allocators.base import BlockAllocator
 from allocators.tiers import KVTier
@@ -503,9 +502,9 @@ class LLMEngine:
         list or reading a block table."""
         scheduled = plan.scheduled
         seqs, num_new, samples, _, _ = zip(*scheduled, strict=True)  # the plan's columns
-        queries = np.array(num_new)
-        starts = np.array(list(map(_NUM_COMPUTED, seqs)))
-        num_logits = np.array(samples, dtype=queries.dtype)
+        queries = list(num_new)
+        starts = list(map(_NUM_COMPUTED, seqs))
+        num_logits = list(map(int, samples))
         drafts = {}
         if step.proposals:  # a verification feeds its new tokens but the slots it reserved
             for row, s in enumerate(scheduled):

@@ -76,7 +76,7 @@ class Runner(Protocol):
     ``launch`` (start computing, return at once) and ``wait`` (block until done). A runner
     that ``computes_logits`` is handed the step's ``Row``s (tokens, block tables, rings) and
     returns ``Forward.logits``, one row per logit each ``Row`` asks for; one that does not
-    is handed only the step's shape as arrays (``StepShape``: no token list sliced, no block
+    is handed only the step's shape as lists (``StepShape``: no token list sliced, no block
     table read) and returns the tokens it chose as ``Forward.tokens``."""
 
     computes_logits: bool

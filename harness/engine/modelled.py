@@ -3,7 +3,7 @@
 The same LLMEngine, allocators, schedulers, recorder and metrics run; only what computes a
 step changes. ``shape_model`` (``model=shape model.config=PATH``) is a model without
 weights: its config.json's shape, all the model clock needs. ``ModelledRunner`` stands in
-for the model behind the ``Runner`` seam: from the step's shape (``StepShape``, arrays; no
+for the model behind the ``Runner`` seam: from the step's shape (``StepShape``, lists of ints; no
 ``Row`` is built) it counts the step's work (``forward_work``, the same counts the real
 runner reports) and chooses the tokens, and ``ModelClock`` advances by
 the profile's price of that work
@@ -20,6 +20,7 @@ bonus token, as Leviathan et al.'s rule does.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import add
 
 import mlx.core as mx
 import numpy as np
@@ -150,7 +151,7 @@ class ModelClock(VirtualClock):
 class ModelledRunner:
     """A ``Runner`` without a model: counts each forward's work and draws its tokens.
 
-    It is handed each step's shape as arrays (``StepShape``), never ``Row``s, and groups and
+    It is handed each step's shape as lists (``StepShape``), never ``Row``s, and groups and
     counts them with the real runner's own functions (harness/engine/step_shape.py):
     ``key_cost`` groups rows into padded batches as the real runner would for this model
     (``ModelRunner.key_cost``), so the counts are the ones a real step would have; a model
@@ -179,10 +180,9 @@ class ModelledRunner:
 
     def forward(self, shape: StepShape, carried=None) -> Forward:
         """The step's work and tokens from its shape alone (the engine builds no ``Row``)."""
-        # Plain ints for the grouping's loop and the counts (numpy scalars cost more).
-        queries = shape.queries.tolist()
-        contexts = (shape.starts + shape.queries).tolist()
-        logit_rows = int(shape.num_logits.sum())
+        queries = shape.queries
+        contexts = list(map(add, shape.starts, queries))
+        logit_rows = sum(shape.num_logits)
         groups = group_rows(queries, contexts, self.key_cost)
         work = forward_work(queries, contexts, logit_rows, groups, self.block_size, self.window)
         return Forward(None, 0.0, 0.0, work, tokens=self._tokens(shape, logit_rows))

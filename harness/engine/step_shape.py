@@ -2,7 +2,7 @@
 
 Both runners behind the ``Runner`` seam call these, so a modelled step counts what a real
 one would: the real runner (harness/engine/model_runner.py) reads the shape off its ``Row``s,
-a runner without a model (harness/engine/modelled.py) gets it from the engine as arrays
+a runner without a model (harness/engine/modelled.py) gets it from the engine as lists of ints
 (``StepShape``), no row built, no token list sliced, no block table read.
 
 An mlx_lm model takes a rectangular batch: every row is padded to the longest row's length
@@ -28,15 +28,15 @@ GROUP_COST = 16  # a group's own cost (a pass over the weights, graph building),
 
 
 class StepShape(NamedTuple):
-    """A step's forward as arrays, one entry per row (a scheduled sequence, in plan order):
+    """A step's forward as lists of ints, one entry per row (a scheduled sequence, in plan order):
     feed ``queries`` tokens from position ``starts``, return logits for the last
     ``num_logits`` fed. ``drafts``: by row index, the drafts a verification row feeds last
     and wants logits for (only rows that verify at least one draft). What a runner that
     computes no logits needs of a step; the tokens themselves it never reads."""
 
-    queries: np.ndarray
-    starts: np.ndarray
-    num_logits: np.ndarray
+    queries: list[int]
+    starts: list[int]
+    num_logits: list[int]
     drafts: dict[int, Sequence[int]]
 
 

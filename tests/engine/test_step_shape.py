@@ -13,7 +13,7 @@ KEY = 1 / 1024
 
 
 def shape(queries, starts, num_logits, drafts=None) -> StepShape:
-    return StepShape(np.array(queries), np.array(starts), np.array(num_logits), drafts or {})
+    return StepShape(list(queries), list(starts), list(num_logits), drafts or {})
 
 
 def runner(acceptance: float = 0.5, window: int | None = None) -> ModelledRunner:

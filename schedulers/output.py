@@ -136,10 +136,10 @@ class StepResults:
     pending: bool = False
 
 
-@dataclass(frozen=True)
-class KVStats:
-    """The scheduler's view of memory and queues for one step (``Scheduler.stats``): what
-    the recorder reads, so it touches neither the allocator nor the queues.
+class KVStats(NamedTuple):
+    """The scheduler's view of memory and queues for one step (``kv_stats``; a named tuple:
+    one is built every step): what the recorder reads, so it touches neither the allocator
+    nor the queues.
 
     ``unusable_free_blocks``: free blocks that cannot serve the request next in line (runs
     or buddies too small for its region; 0 when nobody waits)."""

@@ -122,6 +122,10 @@ class Recorder:
         # its held slots and the slots written by the step's end. A holding's entries are
         # read once, when it ends (_settle), and dropped at the next compaction.
         self._entries = _Entries()
+        # Holdings that ended and are not settled yet (``_settle_ended``: a step's column
+        # totals are the same whenever they settle, so they settle ``_SETTLE_BATCH`` at a
+        # time, one pass over the entries for them all).
+        self._ended: list[int] = []
         # How many running tables hold each block (its keys: the distinct blocks), kept up
         # to date as tables change rather than recounted every step.
         self._holders: dict[int, int] = {}
@@ -146,8 +150,10 @@ class Recorder:
     def _views(self) -> dict[str, np.ndarray]:
         """The step columns (STEP_SCHEMA's order) as numpy views of the recorder's arrays,
         a constant column as a read-only view of its one value (no step may be recorded
-        while one is alive: an ``array`` cannot grow under a view)."""
+        while one is alive: an ``array`` cannot grow under a view); every ended holding
+        settled."""
         self._open()
+        self._settle_ended()
         n = self._num_steps  # a step interrupted while recorded is left out
         views = self._columns.views(n)
         views["slots_future"] = np.frombuffer(self._future, dtype=np.int64)[:n]
@@ -281,7 +287,9 @@ class Recorder:
             for holding in gone:
                 _uncount(self._holders, counted[holding])
                 counted[holding] = None
-            self._settle_ended(gone, index)
+            self._ended += gone
+            if len(self._ended) >= _SETTLE_BATCH:
+                self._settle_ended()
         tokens = blocks.used_slots - unwritten
         # External fragmentation as the vLLM paper means it: free blocks that cannot serve
         # the request next in line (runs or buddies too small for its region).
@@ -327,16 +335,19 @@ class Recorder:
         self._last_running, self._last_preempts, self._last_ids = running, preempts, ids
         return ids
 
-    def _settle_ended(self, gone: list[int], index: int) -> None:
-        """Settle the ``gone`` holdings into the step columns (before step ``index``), then
-        let the entries go once they outnumber the live holdings' by enough to compact."""
+    def _settle_ended(self) -> None:
+        """Settle the ended holdings into the step columns, then let the entries go once
+        they outnumber the live holdings' by enough to compact."""
+        if not self._ended:
+            return
         future = np.frombuffer(self._future, dtype=np.int64)
         internal = np.frombuffer(self._internal, dtype=np.int64)
         count = len(self._tables)
         try:
-            _settle(self._entries.of(gone, count), future, internal, index)
+            _settle(self._entries.of(self._ended, count), future, internal, self._num_steps)
         finally:  # the columns grow again next step: no view may outlive this, even a raise
             del future, internal
+        self._ended = []
         self._entries.compact(list(self._live.values()), count)
 
     def step(
@@ -409,6 +420,9 @@ def _rows(
         fed = list(map(fed_by.get, running, repeat(0)))
         new = list(map(new_by.get, running, repeat(0))) if proposed else fed
     return fed, new, total
+
+
+_SETTLE_BATCH = 64
 
 
 class _Columns:
@@ -536,30 +550,25 @@ class _Entries:
 def _settle(entries: np.ndarray, future, internal, num_steps: int) -> None:
     """Move the slots each holding of ``entries`` went on to fill from ``internal`` to
     ``future`` (step columns, in place) in each of the first ``num_steps`` steps it was live
-    in. A step's move is capped by its unfilled slots (a partial block shared by several
-    holders, a fork, is in each one's held slots but is one block of the arena), so the
-    holdings settle one after another in the order they started (their numbers), each over
-    all its steps at once."""
-    holding = entries[0]
+    in: its slots in a step count as future up to what it had written at its last step. A
+    step's move is capped by its unfilled slots (a partial block shared by several holders,
+    a fork, is in each one's held slots but is one block of the arena): the holdings' fills
+    in a step are summed, then capped, which is what settling them one after another in any
+    order moves (``min(a, u) + min(b, u - min(a, u)) = min(a + b, u)``)."""
+    holding, step, held, written = entries
     if not len(holding):
         return
-    if holding[0] == holding[-1] and (len(holding) == 1 or (holding == holding[0]).all()):
-        _settle_one(*entries[1:], future, internal, num_steps)  # most often: one ended
-        return
     order = np.argsort(holding, kind="stable")  # by holding, each in step order
-    step, held, written = (c[order] for c in entries[1:])
-    bounds = np.flatnonzero(np.diff(holding[order])) + 1
-    for part in np.split(np.arange(len(order)), bounds):
-        _settle_one(step[part], held[part], written[part], future, internal, num_steps)
-
-
-def _settle_one(step, held, written, future, internal, num_steps: int) -> None:
-    """``_settle`` for one holding's entries (in step order): its slots in a step count as
-    future up to what it had written at its last step."""
-    fills = np.minimum(held, written[-1]) - written
+    holding, step, held, written = holding[order], step[order], held[order], written[order]
+    last = np.flatnonzero(np.diff(holding)).tolist() + [len(holding) - 1]  # each one's last
+    counts = np.diff([-1, *last])
+    fills = np.minimum(held, np.repeat(written[last], counts)) - written
     keep = (fills > 0) & (step < num_steps)
-    at = step[keep]
-    moved = np.minimum(fills[keep], internal[at])
+    at, fills = step[keep], fills[keep]
+    if len(at) > 1:  # steps with more than one holding's fill: summed first
+        at, where = np.unique(at, return_inverse=True)
+        fills = np.bincount(where, weights=fills).astype(np.int64)
+    moved = np.minimum(fills, internal[at])
     future[at] += moved
     internal[at] -= moved
 

@@ -218,6 +218,7 @@ def build_engine(
             acceptance=rate,
             seed=seed,
             window=model.window if window is not None else None,
+            verifies=speculative is not None,
         )
         proposer = ModelledProposer(runner, seed) if draft is not None else None
         return LLMEngine(

@@ -148,6 +148,9 @@ class ModelClock(VirtualClock):
         return step
 
 
+_DRAW_AHEAD = 4096  # tokens a draw makes when none verifies
+
+
 class ModelledRunner:
     """A ``Runner`` without a model: counts each forward's work and draws its tokens.
 
@@ -156,7 +159,12 @@ class ModelledRunner:
     ``key_cost`` groups rows into padded batches as the real runner would for this model
     (``ModelRunner.key_cost``), so the counts are the ones a real step would have; a model
     with sliding-window layers of ``window`` tokens has its window layers' reads counted
-    too, from its rows' starts (``forward_work``)."""
+    too, from its rows' starts (``forward_work``).
+
+    ``verifies``: its steps may verify drafts (a speculative engine), whose acceptance draws
+    come from the same generator between the steps' token draws. Without, the tokens are
+    drawn ahead ``_DRAW_AHEAD`` at a time: the same tokens (a generator's ``integers`` draws
+    concatenate to one draw of their total size), without a draw's fixed cost a step."""
 
     arena = None  # no KV arena: nothing is computed
     computes_logits = False
@@ -170,6 +178,7 @@ class ModelledRunner:
         acceptance: float,
         seed: int,
         window: int | None = None,
+        verifies: bool = True,
     ) -> None:
         self.block_size = block_size
         self.window = window
@@ -177,6 +186,8 @@ class ModelledRunner:
         self.vocab_size = vocab_size
         self.acceptance = acceptance
         self._rng = np.random.default_rng([seed, 0x5EED])
+        self.verifies = verifies
+        self._ahead = np.empty(0, dtype=np.int64)  # tokens drawn, not yet handed out
 
     def forward(self, shape: StepShape, carried=None) -> Forward:
         """The step's work and tokens from its shape alone (the engine builds no ``Row``)."""
@@ -191,6 +202,14 @@ class ModelledRunner:
         """One token per logits row (``logit_rows`` in all), in row order; a verification's
         rows first take its drafts while the Bernoulli draws accept them (a draw of ``k`` for
         a verification of ``k`` drafts, in row order, after the step's tokens)."""
+        if not self.verifies:
+            if shape.drafts:
+                raise RuntimeError("a step verifies drafts on a runner built with verifies=False")
+            if len(self._ahead) < logit_rows:
+                more = self._rng.integers(0, self.vocab_size, max(logit_rows, _DRAW_AHEAD))
+                self._ahead = np.concatenate([self._ahead, more])
+            drawn, self._ahead = self._ahead[:logit_rows], self._ahead[logit_rows:]
+            return drawn
         drawn = self._rng.integers(0, self.vocab_size, logit_rows)
         if not shape.drafts:  # no verification: nothing to accept
             return drawn

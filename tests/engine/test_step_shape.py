@@ -5,6 +5,7 @@ a key 1/1024 of a token (the tiny model's ``key_cost``); every count below by ha
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from harness.engine.modelled import ModelledRunner
 from harness.engine.step_shape import GROUP_COST, StepShape, forward_work, group_rows
@@ -119,3 +120,19 @@ def test_short_steps_of_one_length_group_as_the_rule_says():
         splits += len(expected) > 1
         assert group_rows([q] * n, contexts, key) == expected, case
     assert 30 < splits < 270  # both kinds of step were tried
+
+
+def test_a_runner_that_verifies_nothing_draws_the_same_tokens_ahead():
+    """Steps of 1 to 3,000 sampling rows (past one draw ahead of 4,096): a runner built to
+    verify nothing hands out the tokens the per-step draws give, and refuses a verification."""
+    per_step, ahead = (
+        runner(),
+        ModelledRunner(
+            block_size=4, key_cost=KEY, vocab_size=100, acceptance=0.5, seed=0, verifies=False
+        ),
+    )
+    for n in [1, 32, 7, 3000, 64, 2500, 1, 900]:
+        step = shape([1] * n, list(range(n)), [1] * n)
+        assert ahead.forward(step).tokens.tolist() == per_step.forward(step).tokens.tolist()
+    with pytest.raises(RuntimeError, match="verifies"):
+        ahead.forward(shape([1, 4], [10, 10], [1, 4], {1: [5, 6, 7]}))

@@ -422,7 +422,7 @@ def _rows(
     return fed, new, total
 
 
-_SETTLE_BATCH = 64
+_SETTLE_BATCH = 64  # ended holdings settled together (``Recorder._ended``)
 
 
 class _Columns:

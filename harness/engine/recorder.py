@@ -12,10 +12,11 @@ The KV breakdown of a step (the vLLM paper's Fig. 2) is the arena as the step le
     external  free slots in runs or buddies too small for the next request in line
 
 Which allocated slots get filled is known only when an allocation ends (finish, abort,
-preemption, swap-out), so each step's ``future`` is completed then: a sequence's slots in a
-step count as future up to what it has written when it leaves. Rows are final once every
-allocation live at their step has ended; ``step_columns`` (and ``steps``) resolve the rest as
-of the last step.
+preemption, swap-out), so each step's ``future`` is completed after: a sequence's slots in a
+step count as future up to what it has written when it leaves (ended allocations settle
+together, and all of them before the columns are read). Rows are final once every allocation
+live at their step has ended; ``step_columns`` (and ``steps``) resolve the rest as of the
+last step.
 """
 
 from __future__ import annotations

@@ -36,14 +36,27 @@ def _blocks(used_blocks: int, used_slots: int) -> AllocatorStats:
     )  # fmt: skip
 
 
-def _step(recorder: Recorder, running, holdings: Holdings, blocks, scheduled) -> None:
-    stats = KVStats(
+def _stats(running, holdings: Holdings, blocks: AllocatorStats) -> KVStats:
+    return KVStats(
         blocks=blocks, running=tuple(running), holdings=holdings, num_waiting=0,
         num_swapped=0, unusable_free_blocks=0, draft_blocks_used=0, window_blocks_used=0,
     )  # fmt: skip
+
+
+def _step(recorder: Recorder, running, holdings: Holdings, blocks, scheduled) -> None:
     plan = SchedulerOutput(scheduled=scheduled)
-    row = recorder.snapshot(stats, plan, {})
+    row = recorder.snapshot(_stats(running, holdings, blocks), plan, {})
     recorder.step(plan, row, 0.0, 1.0, 0.0, 0.0, work=StepWork())
+
+
+def _prefill_then_decode(recorder: Recorder) -> Seq:
+    """A 3-token prompt in 1 block of 4 (step 0: tokens 3, internal 1), then one decode
+    (step 1: 4 written); the sequence, still running."""
+    a = _seq("a", 3, 0)
+    _step(recorder, [a], Holdings([3], [4], [[0]]), _blocks(1, 3), [Scheduled(a, 3, True)])
+    a.token_ids, a.num_computed_tokens = list(range(4)), 3
+    _step(recorder, [a], Holdings([4], [4], [[0]]), _blocks(1, 4), [Scheduled(a, 1, True)])
+    return a
 
 
 def test_forks_sharing_a_partial_block_settle_it_once_in_the_order_they_started():
@@ -74,10 +87,7 @@ def test_an_allocation_still_live_counts_what_it_has_written_so_far():
     # (step 1: 4 written). Still running: step 0's unfilled slot is future (filled at step
     # 1), step 1 has none left.
     recorder = Recorder(measured=False)
-    a = _seq("a", 3, 0)
-    _step(recorder, [a], Holdings([3], [4], [[0]]), _blocks(1, 3), [Scheduled(a, 3, True)])
-    a.token_ids, a.num_computed_tokens = list(range(4)), 3
-    _step(recorder, [a], Holdings([4], [4], [[0]]), _blocks(1, 4), [Scheduled(a, 1, True)])
+    _prefill_then_decode(recorder)
     columns = recorder.step_columns()
     assert columns["prefill_tokens"].tolist() == [3, 0]
     assert columns["decode_tokens"].tolist() == [0, 1]
@@ -110,10 +120,7 @@ def test_a_runs_end_takes_the_step_columns_uncopied_and_no_step_is_recorded_afte
     # run's end takes the same columns as step_columns, settled alike, but the recorder's
     # own memory: two takes would share it, so a second is refused, as is a further step.
     recorder = Recorder(measured=False)
-    a = _seq("a", 3, 0)
-    _step(recorder, [a], Holdings([3], [4], [[0]]), _blocks(1, 3), [Scheduled(a, 3, True)])
-    a.token_ids, a.num_computed_tokens = list(range(4)), 3
-    _step(recorder, [a], Holdings([4], [4], [[0]]), _blocks(1, 4), [Scheduled(a, 1, True)])
+    a = _prefill_then_decode(recorder)
     copied = recorder.step_columns()
     taken = recorder.take_step_columns()
     assert taken.keys() == copied.keys()
@@ -129,16 +136,12 @@ def test_a_runs_end_takes_the_step_columns_uncopied_and_no_step_is_recorded_afte
 
 
 def test_a_column_is_kept_as_one_value_until_its_first_other_value():
-    # 3,000 steps of one decoding sequence (over two batches of rows): block_copies is 0 up
+    # 3,000 steps of one decoding sequence (over three batches of rows): block_copies is 0 up
     # to step 1,999, then its step's index; duration 1.0 throughout. Each column reads as
     # recorded, and one that held a single value takes no memory a step.
     recorder = Recorder(measured=False)
     a = _seq("a", 3, 3)
-    holdings, blocks = Holdings([3], [4], [[0]]), _blocks(1, 3)
-    stats = KVStats(
-        blocks=blocks, running=(a,), holdings=holdings, num_waiting=0,
-        num_swapped=0, unusable_free_blocks=0, draft_blocks_used=0, window_blocks_used=0,
-    )  # fmt: skip
+    stats = _stats([a], Holdings([3], [4], [[0]]), _blocks(1, 3))
     plan = SchedulerOutput(scheduled=[])
     for i in range(3000):
         row = recorder.snapshot(stats, plan, {})

@@ -16,6 +16,7 @@ pass over the weights, so rows share one unless padding them together costs more
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -61,6 +62,10 @@ def group_rows(queries: Sequence[int], contexts: Sequence[int], key_cost: float)
     """
     n = len(queries)
     if n < _VECTOR_MIN:
+        if n and min(queries) == max(queries):  # one length (decodes): by context alone
+            order = sorted(range(n), key=contexts.__getitem__)  # stable: ties by index
+            rows = zip(repeat(queries[0]), map(contexts.__getitem__, order), order)
+            return _greedy(rows, key_cost)
         return _greedy(sorted(zip(queries, contexts, range(n), strict=True)), key_cost)
     q = np.asarray(queries, dtype=np.int64)
     c = np.asarray(contexts, dtype=np.int64)

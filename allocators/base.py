@@ -17,7 +17,9 @@ what the blocks in use need, not with the arena. ``check`` and ``dump`` stay O(a
 The hot path. A decode grows a sequence by one token per step; ``allocate`` answers
 that in O(1) from the sequence's *write limit* (the slots it can fill without a new
 block or a copy) and returns the shared ``NO_COPIES`` constant, allocating nothing.
-``block_table`` returns the live table, not a copy. ``stats`` reads counters kept up
+``block_table`` returns the live table, not a copy, and ``holdings`` each table's version,
+which changes with it (a reader finds the few changed tables of a step by comparing one
+integer each, not whole tables). ``stats`` reads counters kept up
 to date by every call. ``allocate_many`` grows a step's running sequences in one call
 (those crossing a block boundary take their blocks there), exactly as ``allocate`` one by
 one would, up to the first request it cannot meet, which ends the call.
@@ -71,18 +73,20 @@ NO_COPIES = Allocation()  # returned whenever nothing is copied: no object per c
 
 class Holdings(NamedTuple):
     """A batch's memory as ``holdings`` reads it: per sequence, in order, its token slots
-    allocated, the slots of the blocks it holds, and its live block table; one list each, so
-    that a step's reader sums or compares a column without a Python object per sequence.
-    The recorder keeps ``held_slots`` for up to 64 steps: an override builds fresh lists on
-    every call, never one it changes later."""
+    allocated, the slots of the blocks it holds, its live block table and that table's
+    version (``SeqState.version``); one list each, so that a step's reader sums or compares
+    a column without a Python object per sequence. The recorder keeps ``held_slots`` for up
+    to 64 steps: an override builds fresh lists on every call, never one it changes later."""
 
     num_tokens: list[int]
     held_slots: list[int]
     tables: list[list[int]]
+    versions: list[int]
 
 
 _TABLE = attrgetter("table")
 _NUM_TOKENS = attrgetter("num_tokens")
+_VERSION = attrgetter("version")
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -98,14 +102,18 @@ def _check_count(name: str, value: object, minimum: int) -> int:
 
 class SeqState:
     """What an allocator keeps per sequence. ``limit`` is the slot count the sequence
-    can grow to without a new block or a copy (its write limit): the fast path."""
+    can grow to without a new block or a copy (its write limit): the fast path.
+    ``version`` changes whenever ``table`` may have (``BlockAllocator._changed``), to a
+    value no table of this allocator had before: a reader that kept a table's version
+    knows it is unchanged by one integer comparison (0: never changed, still empty)."""
 
-    __slots__ = ("table", "num_tokens", "limit")
+    __slots__ = ("table", "num_tokens", "limit", "version")
 
     def __init__(self) -> None:
         self.table: list[int] = []
         self.num_tokens = 0
         self.limit = 0
+        self.version = 0
 
 
 class BlockAllocator(ABC):
@@ -136,6 +144,7 @@ class BlockAllocator(ABC):
         self._prefix_queries = self._prefix_query_tokens = self._prefix_hit_tokens = 0
         self._evictions = self._cow_copies = self._relocations = 0
         self._relocated_blocks = self._fork_copies = 0
+        self._version = 0  # the last table version handed out (``_changed``)
 
     # -- the contract ----------------------------------------------------------------
 
@@ -158,6 +167,7 @@ class BlockAllocator(ABC):
         if s is None:
             s = self._seqs[seq_id] = self._new_state(seq_id)
         matched = self._match(s, token_ids)
+        self._changed(s)
         self._prefix_hit_tokens += matched
         self._token_slots += matched
         return matched
@@ -208,6 +218,7 @@ class BlockAllocator(ABC):
         copies = self._grow(s, num_tokens)
         if copies is None:
             return None
+        self._changed(s)
         if new:
             self._seqs[seq_id] = s
         self._token_slots += num_tokens - s.num_tokens
@@ -265,6 +276,7 @@ class BlockAllocator(ABC):
             )
         dropped = s.table[keep:]
         del s.table[keep:]
+        self._changed(s)
         self._token_slots -= old - num_tokens
         s.num_tokens = num_tokens
         self._after_trim(s, dropped, old)
@@ -280,6 +292,7 @@ class BlockAllocator(ABC):
         copies = self._fork(parent, child)
         if copies is None:
             return None
+        self._changed(child)
         self._seqs[child_id] = child
         self._token_slots += child.num_tokens
         parent.limit, child.limit = self._write_limit(parent), self._write_limit(child)
@@ -346,9 +359,9 @@ class BlockAllocator(ABC):
         return [s.table for s in self._states(seq_ids)]
 
     def holdings(self, seq_ids: Iterable[str]) -> Holdings:
-        """``num_tokens``, ``held_slots`` and ``block_table`` of each sequence, in order, in
-        one call (the tables live, as ``block_table``'s): a step's memory snapshot of its
-        batch, as three columns."""
+        """``num_tokens``, ``held_slots``, ``block_table`` and its version of each sequence,
+        in order, in one call (the tables live, as ``block_table``'s): a step's memory
+        snapshot of its batch, as four columns."""
         bs = self.block_size
         states = self._states(seq_ids)
         tables = list(map(_TABLE, states))
@@ -357,7 +370,8 @@ class BlockAllocator(ABC):
         else:
             count = self._held_count
             held = [count(s) * bs for s in states]
-        return Holdings(list(map(_NUM_TOKENS, states)), held, tables)
+        versions = list(map(_VERSION, states))
+        return Holdings(list(map(_NUM_TOKENS, states)), held, tables, versions)
 
     def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
         """Free blocks that cannot serve a new sequence of ``num_tokens`` slots: those in
@@ -490,6 +504,11 @@ class BlockAllocator(ABC):
     @abstractmethod
     def _fits(self, s: SeqState, new: int) -> bool:
         """``can_allocate`` for a known sequence growing past its write limit."""
+
+    def _changed(self, s: SeqState) -> None:
+        """``s``'s table changed, or may have: it takes the next version."""
+        self._version += 1
+        s.version = self._version
 
     def _new_state(self, seq_id: str | None) -> SeqState:
         """The state of a sequence not known yet (``None``: one without an id)."""

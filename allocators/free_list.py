@@ -67,6 +67,7 @@ class FreeListAllocator(BlockAllocator):
                     ):
                         if new:
                             top = take(table, new, top)
+                            self._changed(s)
                         grown += num_tokens - s.num_tokens
                         s.num_tokens = num_tokens
                         s.limit = len(table) * bs

@@ -119,6 +119,7 @@ class Recorder:
         # the order it started; ``_live`` maps (sequence, preemptions) to the live ones.
         self._live: dict[tuple[Seq, int], int] = {}
         self._tables: list[list[int] | None] = []  # a holding's table as last counted
+        self._versions: list[int] = []  # ... and its version then (-1: not counted yet)
         # One entry per running sequence per step, as flat columns: its holding, the step,
         # its held slots and the slots written by the step's end. A holding's entries are
         # read once, when it ends (_settle), and dropped at the next compaction.
@@ -269,13 +270,13 @@ class Recorder:
             if f == 1 and computed == len(seq.token_ids) - 1 and computed >= seq.num_prompt_tokens:
                 decodes += 1
         ids = self._holding_ids(running, preempts)
-        # Each table against its copy as last counted, compared in C; most steps only the
-        # few that crossed into a new block differ.
-        olds = map(counted.__getitem__, ids)
-        for i in compress(range(len(ids)), map(ne, olds, tables)):
+        # Each table's version against the one last counted, compared in C; most steps
+        # only the few that crossed into a new block changed.
+        versions, seen = holdings.versions, self._versions
+        for i in compress(range(len(ids)), map(ne, map(seen.__getitem__, ids), versions)):
             holding, table = ids[i], tables[i]
             _count_table(self._holders, counted[holding], table)
-            counted[holding] = table.copy()
+            counted[holding], seen[holding] = table.copy(), versions[i]
         self._entries.add(ids, index, holdings.held_slots, written)
         unwritten = sum(holdings.num_tokens) - sum(written)  # allocated, not written by the end
         refs = sum(map(len, tables))  # table entries: a block once per table that holds it
@@ -333,6 +334,7 @@ class Recorder:
                 if ids[i] is None:  # an allocation that starts now
                     ids[i] = live[key] = len(counted)
                     counted.append([])
+                    self._versions.append(-1)
         self._last_running, self._last_preempts, self._last_ids = running, preempts, ids
         return ids
 

@@ -124,7 +124,29 @@ def test_a_batch_read_is_each_sequences_own(make, kind: str) -> None:
     assert all(t is alloc.block_table(s) for s, t in zip("cab", got.tables, strict=True))
     tables = alloc.block_tables(["b", "a"])
     assert tables[0] is alloc.block_table("b") and tables[1] is alloc.block_table("a")
-    assert alloc.holdings([]) == ([], [], []) and alloc.block_tables([]) == []
+    assert alloc.holdings([]) == ([], [], [], []) and alloc.block_tables([]) == []
+
+
+def test_a_tables_version_changes_with_it_and_only_then(make) -> None:
+    # holdings' versions: growth within the last block keeps it; a new block, a trim and a
+    # fork's new table each take a version no table had before.
+    alloc = make()
+
+    def version(seq: str) -> int:
+        return alloc.holdings([seq]).versions[0]
+
+    alloc.allocate("a", 1)
+    first = version("a")
+    alloc.allocate("a", 4)  # within its one block of 4
+    assert version("a") == first and len(alloc.block_table("a")) == 1
+    alloc.allocate("a", 5)  # a second block
+    grown = version("a")
+    assert grown > first
+    alloc.allocate("b", 2)
+    assert alloc.fork("a", "c") is not None
+    assert len({grown, version("b"), version("c")}) == 3
+    alloc.trim("a", 4)  # its second block goes
+    assert version("a") > max(grown, version("b"), version("c"))
 
 
 def test_bad_counts_are_rejected(make) -> None:

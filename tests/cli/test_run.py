@@ -410,6 +410,25 @@ def test_the_sampling_node_builds_each_requests_params() -> None:
     assert sampling_params(req) == SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
 
 
+def test_a_replays_params_are_made_once_per_length_and_eos_and_shared() -> None:
+    from harness.cli.replay import params_for
+    from harness.engine.sampling_params import SamplingParams
+    from harness.workload.traces import TraceRequest
+
+    params = params_for()
+    asks = [(7, True), (9, True), (7, True), (7, False), (9, True)]
+    got = [
+        params(TraceRequest(f"r{i}", 0.0, (1,), max_tokens=m, ignore_eos=e))
+        for i, (m, e) in enumerate(asks)
+    ]
+    for p, (m, e) in zip(got, asks, strict=True):
+        assert p == SamplingParams(
+            temperature=0, max_tokens=m, ignore_eos=e, output_kind="final_only"
+        )
+    assert got[1] is got[4] and got[2] is not got[3]  # the first request's params are its own
+    assert len({id(p) for p in got}) == 4
+
+
 def test_a_timed_run_records_the_machines_noise_and_a_priced_one_none(
     compose_cfg, tmp_path: Path
 ) -> None:

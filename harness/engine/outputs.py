@@ -79,7 +79,11 @@ class OutputProcessor:
         """``report_progress`` of each of ``seqs``, every one its request's only sequence
         (n = 1, no beam search). A running sequence without logprobs, most of a step's, gets
         its output built here in one pass (no text, no finish yet, its output tokens copied);
-        any other goes through ``report``."""
+        any other goes through ``report``. Without a live sequence that streams (a replay
+        asks for final outputs only), the finished ones alone, in one pass."""
+        if not self.requests.streams:
+            finished = Status.FINISHED
+            return [self.report(seq) for seq in seqs if seq.status is finished]
         outputs = []
         append = outputs.append
         for seq in seqs:

@@ -1,6 +1,7 @@
-"""The engine's table of requests: the live sequences by id, the completions of requests with
-n > 1, the beam searches, the outputs owed to the caller, and the count of sequences added
-(which seeds them). ``RequestTable`` is the only writer of all of it.
+"""The engine's table of requests: the live sequences by id (and how many of them stream, want
+an output every step), the completions of requests with n > 1, the beam searches, the
+outputs owed to the caller, and the count of sequences added (which seeds them).
+``RequestTable`` is the only writer of all of it.
 
 Ids: a request's own id is its first sequence's; completions 1.. of a request with n > 1
 are ``ID/1, ID/2, ...`` and a beam search's beams ``ID/beam1, ...``, so any ``ID/...`` is
@@ -18,6 +19,7 @@ class RequestTable:
 
     def __init__(self) -> None:
         self.live: dict[str, Seq] = {}  # sequences by request id
+        self.streams = 0  # live sequences whose output_kind is "cumulative"
         self.groups: dict[str, list[Seq]] = {}  # completions of requests with n > 1
         self.beams: dict[str, BeamGroup] = {}  # beam searches by request id
         self.owed: list[RequestOutput] = []  # aborts and rejections, returned next step
@@ -31,7 +33,7 @@ class RequestTable:
 
     def add(self, seq: Seq, beam: BeamGroup | None = None) -> None:
         """A new request's first sequence (and its beam search, if it is one)."""
-        self.live[seq.request_id] = seq
+        self._enter(seq)
         if seq.params.n > 1:
             self.groups[seq.request_id] = [seq]
         if beam is not None:
@@ -39,14 +41,21 @@ class RequestTable:
 
     def add_child(self, child: Seq) -> None:
         """A completion (n > 1) or beam forked off a live sequence of the same request."""
-        self.live[child.request_id] = child
+        self._enter(child)
         group = self.groups.get(child.group_id)
         if group is not None and child.index:
             group.append(child)
 
     def remove(self, seq: Seq) -> None:
         """``seq`` left the engine."""
-        self.live.pop(seq.request_id, None)
+        gone = self.live.pop(seq.request_id, None)
+        if gone is not None and gone.params.output_kind == "cumulative":
+            self.streams -= 1
+
+    def _enter(self, seq: Seq) -> None:
+        self.live[seq.request_id] = seq
+        if seq.params.output_kind == "cumulative":
+            self.streams += 1
 
     def close_group(self, group_id: str) -> None:
         """Every completion of a request with n > 1 finished and was reported."""

@@ -33,12 +33,16 @@ def running(request_id: str, tokens: list[int], prompt: int, **params) -> Seq:
 
 
 def test_a_running_requests_output_is_built_in_one_pass_as_report_builds_it(model):
-    outputs = OutputProcessor(model, RequestTable())
+    table = RequestTable()
+    outputs = OutputProcessor(model, table)
     plain = running("a", [7, 8, 9, 4, 5], prompt=3, max_tokens=9)
     final = running("b", [1, 2, 3], prompt=2, max_tokens=9, output_kind="final_only")
     logprobs = running("c", [6, 6], prompt=1, max_tokens=9, logprobs=0)
     done = running("d", [2, 3, 4], prompt=2, max_tokens=9, output_kind="final_only")
     done.status, done.finish_reason, done.finish_time = Status.FINISHED, "length", 2.5
+    for seq in (plain, final, logprobs, done):
+        table.add(seq)
+    assert table.streams == 2  # "a" and "c" want an output every step
 
     got = outputs.report_alone([plain, final, logprobs, done])
 
@@ -50,6 +54,26 @@ def test_a_running_requests_output_is_built_in_one_pass_as_report_builds_it(mode
     assert got[1].outputs[0].logprobs == [] and got[2].finished_time == 2.5
     plain.token_ids.append(6)  # an output already returned never changes
     assert got[0].outputs[0].token_ids == [4, 5]
+
+
+def test_without_a_streaming_request_only_the_finished_are_reported(model):
+    # "a" streams (cumulative); once it has left, the table holds final-only requests alone
+    # and a step's report is the finished ones', in order, as report gives them.
+    table = RequestTable()
+    outputs = OutputProcessor(model, table)
+    a = running("a", [7, 8, 9], prompt=2, max_tokens=9)
+    b = running("b", [1, 2, 3], prompt=2, max_tokens=9, output_kind="final_only")
+    c = running("c", [4, 5], prompt=1, max_tokens=9, output_kind="final_only")
+    for seq in (a, b, c):
+        table.add(seq)
+    assert len(outputs.report_alone([a, b, c])) == 1  # "a"'s, while it streams
+    a.status = c.status = Status.FINISHED
+    table.remove(a)
+    table.remove(a)  # removed twice: counted once
+    assert table.streams == 0
+    assert outputs.report_alone([b, c]) == [outputs.report(c)]
+    table.remove(c)
+    assert table.streams == 0 and outputs.report_alone([b]) == []
 
 
 def test_takes_argmax_turns_true_past_min_tokens_bans_and_stays(model):

@@ -2,7 +2,8 @@
 
 ``python -m harness.bench scale [--sizes 1000,10000,100000] [--allocators ...]
 [--schedulers fcfs,chunked_prefill] [--traces azure_like,mooncake_like] [--timeout 600]
-[--against REF]`` (sizes up to 1000000 run; 1M azure_like takes minutes to an hour)
+[--against REF] [--batches 4,8,16,32]`` (sizes up to 1000000 run; 1M azure_like takes
+minutes to an hour)
 
 On the model clock (``engine.clock=model``, priced by the committed profile
 ``results/baselines/profile-llama-tiny.json``) no model runs: a replay's cost is the per-step
@@ -18,6 +19,14 @@ ratio). ``--against REF`` runs every cell a second time on the code of git commi
 temporary checkout: ``git archive``), on the same machine in the same run, beside this code
 cell by cell (REF first in every other cell: the order alone moved a ratio by 20-30 % here)
 so that both see the same load, and prints this code's CPU per sequence-step over REF's.
+
+``--batches`` runs every cell at each ``scheduler.max_num_seqs`` given and splits the cost
+of a step into what it costs whatever its batch and what each sequence in it adds: per
+configuration, the least-squares line through (mean batch, replay wall µs a step) of its
+batches, ``µs a step = fixed + per sequence x batch`` (the replay's wall time: run it on a
+quiet machine). ``fixed / batch + per sequence`` is a step's µs a sequence-step; the fixed
+part is what no change to the per-sequence work can remove. Batches above 32 may preempt in
+the default arena (``--num-blocks``).
 
 The arena (``--num-blocks 4096`` of 16 slots) holds ``max_num_seqs`` (32) sequences of
 ``max_model_len`` (2048) even rounded up to a buddy allocator's powers of two, so requests
@@ -44,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import product
 from pathlib import Path
 
 from harness.bench.support.components import ALLOCATORS, compose_config, options
@@ -75,8 +85,9 @@ def trace_overrides(trace: str, size: int, rate: float) -> list[str]:
 
 
 def cell_overrides(cell: dict, num_blocks: int) -> list[str]:
-    """A cell's kvbench overrides: its trace, allocator and scheduler on the model clock
-    (the trace's own engine settings last: they win)."""
+    """A cell's kvbench overrides: its trace, allocator and scheduler (and batch, if it has
+    one) on the model clock (the trace's own engine settings last: they win)."""
+    batch = [f"scheduler.max_num_seqs={cell['batch']}"] if cell.get("batch") else []
     return [
         "engine.clock=model",
         f"engine.profile={REPO / PROFILE}",
@@ -84,6 +95,7 @@ def cell_overrides(cell: dict, num_blocks: int) -> list[str]:
         "progress=false",
         f"allocator={cell['allocator']}",
         f"scheduler={cell['scheduler']}",
+        *batch,
         *trace_overrides(cell["trace"], cell["size"], cell["rate"]),
     ]
 
@@ -148,16 +160,21 @@ def checkout(ref: str, into: Path) -> Path:
 
 def format_cells(rows: list[dict]) -> str:
     """One line per cell (a cell run ``--against`` a commit adds its µs per sequence-step
-    and this code's CPU per sequence-step over the commit's)."""
+    and this code's CPU per sequence-step over the commit's; one run at a ``--batches``
+    value, its max_num_seqs)."""
     against = any("old" in r for r in rows)
-    header = ["trace", "allocator", "scheduler", "requests", "wall s", "CPU s", "peak RSS MiB",
-              "steps", "req/s (model)", "seq-steps/s", "µs/seq-step"]  # fmt: skip
+    batched = any("batch" in r for r in rows)
+    header = ["trace", "allocator", "scheduler", *(["max_num_seqs"] if batched else []),
+              "requests", "wall s", "CPU s", "peak RSS MiB", "steps", "req/s (model)",
+              "seq-steps/s", "µs/seq-step"]  # fmt: skip
     if against:
         header += ["REF µs/seq-step", "REF peak RSS MiB", "CPU/seq-step vs REF"]
     lines = []
     for r in rows:
         got = r["got"]
-        cells = [r["trace"], r["allocator"], r["scheduler"], f"{r['size']:,}"]
+        cells = [r["trace"], r["allocator"], r["scheduler"]]
+        cells += [str(r.get("batch", ""))] if batched else []
+        cells.append(f"{r['size']:,}")
         if "error" in got:
             cells += [got["error"], "", "", "", "", "", ""]
         else:
@@ -185,14 +202,16 @@ def format_ratios(rows: list[dict], sizes: list[int]) -> str:
     if len(sizes) < 2:
         return ""
     big, small = sizes[-1], sizes[-2]
-    got = {(r["trace"], r["allocator"], r["scheduler"], r["size"]): r["got"] for r in rows}
+    got = {(r["trace"], r["allocator"], r["scheduler"], r.get("batch"), r["size"]): r["got"]
+           for r in rows}  # fmt: skip
     wall = f"wall {big:,} / {small:,} (linear: {big / small:g})"
     header = ["trace", "allocator", "scheduler", wall, "seq-steps", "CPU per seq-step"]
     lines = []
-    for trace, alloc, sched, size in got:
+    for trace, alloc, sched, batch, size in got:
         if size != big:
             continue
-        a, b = got[trace, alloc, sched, big], got.get((trace, alloc, sched, small), {})
+        a, b = got[trace, alloc, sched, batch, big], got.get((trace, alloc, sched, batch, small))
+        sched = sched if batch is None else f"{sched} ({batch})"
         if "error" in a or not b or "error" in b:
             lines.append([trace, alloc, sched, "n/a", "n/a", "n/a"])
             continue
@@ -200,6 +219,33 @@ def format_ratios(rows: list[dict], sizes: list[int]) -> str:
         lines.append([trace, alloc, sched, f"{a['wall'] / b['wall']:.1f}x",
                       f"{a['seq_steps'] / b['seq_steps']:.1f}x", f"{per_step:.2f}x"])  # fmt: skip
     return format_table(header, lines)
+
+
+def format_batches(rows: list[dict]) -> str:
+    """Per configuration run at several batches (``--batches``), the least-squares line
+    through its cells' (mean batch, replay µs a step): the fixed µs a step and the µs each
+    sequence adds (module docstring)."""
+    points: dict[tuple, list[tuple[float, float]]] = {}
+    for r in rows:
+        got = r["got"]
+        if "batch" not in r or "error" in got or not got["steps"]:
+            continue
+        key = (r["trace"], r["allocator"], r["scheduler"], r["size"])
+        batch = got["seq_steps"] / got["steps"]
+        points.setdefault(key, []).append((batch, 1e6 * got["replay"] / got["steps"]))
+    header = ["trace", "allocator", "scheduler", "requests", "batches (mean)",
+              "fixed µs/step", "µs/seq a step"]  # fmt: skip
+    lines = []
+    for (trace, alloc, sched, size), xy in points.items():
+        if len({round(x, 6) for x, _ in xy}) < 2:
+            continue  # one batch: no line
+        n = len(xy)
+        mx, my = sum(x for x, _ in xy) / n, sum(y for _, y in xy) / n
+        slope = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
+        batches = ", ".join(f"{x:.1f}" for x, _ in xy)
+        lines.append([trace, alloc, sched, f"{size:,}", batches, f"{my - slope * mx:.1f}",
+                      f"{slope:.2f}"])  # fmt: skip
+    return format_table(header, lines) if lines else ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="folder for the runs (default: a temporary one)")
     parser.add_argument("--against", metavar="REF",
                         help="also run each cell on git commit REF, side by side")  # fmt: skip
+    parser.add_argument("--batches",
+                        help="scheduler.max_num_seqs values, comma-separated: each cell at "
+                        "each, then the fixed and per-sequence µs of a step")  # fmt: skip
     parser.add_argument("--cell", help=argparse.SUPPRESS)  # the subprocess: one cell
     args = parser.parse_args(argv)
     if args.cell:
@@ -225,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_cell(cell_overrides(cell, args.num_blocks), Path(args.out))))
         return
     sizes = [int(s) for s in args.sizes.split(",")]
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [None]
+    if any(b is not None and b < 1 for b in batches):
+        parser.error(f"--batches: {args.batches!r}; give max_num_seqs values >= 1, e.g. 4,8,16,32")
     groups = {"allocator": args.allocators, "scheduler": args.schedulers, "trace": args.traces}
     chosen = {group: names.split(",") for group, names in groups.items()}
     for group, names in chosen.items():
@@ -238,9 +290,11 @@ def main(argv: list[str] | None = None) -> None:
         for size in sizes:
             for trace in chosen["trace"]:
                 for allocator in chosen["allocator"]:
-                    for scheduler in chosen["scheduler"]:
+                    for scheduler, batch in product(chosen["scheduler"], batches):
                         cell = {"trace": trace, "allocator": allocator, "scheduler": scheduler,
                                 "size": size, "rate": args.rate}  # fmt: skip
+                        if batch is not None:
+                            cell["batch"] = batch
                         folder = out / "-".join(str(v) for v in cell.values())
                         row = dict(cell)
                         # Against REF, every other cell runs REF first: on a shared machine
@@ -267,6 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     if ratios := format_ratios(rows, sizes):
         print()
         print(ratios)
+    if fits := format_batches(rows):
+        print()
+        print(fits)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from harness.analysis.results import REQUESTS_FILE
-from harness.bench.scale import cell_overrides, format_cells, format_ratios, main, run_cell
+from harness.bench.scale import (
+    cell_overrides,
+    format_batches,
+    format_cells,
+    format_ratios,
+    main,
+    run_cell,
+)
 
 
 def _cell(size: int, wall: float, cpu: float, seq_steps: int) -> dict:
@@ -60,3 +67,34 @@ def test_the_real_shaped_trace_runs_at_its_own_rate_with_long_contexts(tmp_path)
     assert got["completed"] == 40
     prompts = pq.read_table(tmp_path / "run" / REQUESTS_FILE, columns=["prompt_tokens"])
     assert max(prompts.column(0).to_pylist()) > 2048  # longer than the bench's other traces
+
+
+def _batched(batch: int, steps: int, seq_steps: int, replay: float) -> dict:
+    got = {"wall": 1.0, "cpu": 1.0, "replay": replay, "rss_mib": 300.0, "steps": steps,
+           "seq_steps": seq_steps, "throughput": 1.0}  # fmt: skip
+    return _cell(1_000, 0, 0, 0) | {"batch": batch, "got": got}
+
+
+def test_batches_split_a_steps_cost_into_fixed_and_per_sequence() -> None:
+    # A step costs 100 µs plus 5 µs a sequence: at a mean batch of 4, 120 µs (1,000 steps in
+    # 0.12 s); at 12, 160 µs; at 20, 200 µs. A timed-out cell and a configuration run at one
+    # batch alone give no point and no line.
+    rows = [_batched(4, 1_000, 4_000, 0.12), _batched(16, 1_000, 12_000, 0.16),
+            _batched(32, 500, 10_000, 0.1), _batched(64, 0, 0, 0.0)]  # fmt: skip
+    rows[-1]["got"] = {"error": "timeout"}
+    rows.append(_batched(8, 100, 800, 0.02) | {"allocator": "radix"})
+    header, _, line = format_batches(rows).splitlines()
+    assert header.split()[-5:] == ["fixed", "µs/step", "µs/seq", "a", "step"]
+    assert line.split()[-2:] == ["100.0", "5.00"]
+    assert "4.0, 12.0, 20.0" in line
+    table = format_cells(rows[:1])
+    assert "max_num_seqs" in table and table.splitlines()[-1].split()[3] == "4"
+
+
+def test_a_batch_is_the_schedulers_max_num_seqs_and_a_bad_one_is_one_line() -> None:
+    cell = {"trace": "azure_like", "allocator": "radix", "scheduler": "fcfs", "size": 10,
+            "rate": 40.0, "batch": 8}  # fmt: skip
+    assert "scheduler.max_num_seqs=8" in cell_overrides(cell, 64)
+    assert not any("max_num_seqs" in o for o in cell_overrides(cell | {"batch": None}, 64))
+    with pytest.raises(SystemExit):
+        main(["--batches", "0,8", "--sizes", "10"])

@@ -47,3 +47,27 @@ def test_a_batch_of_chunks_by_hand():
     assert mask.shape == (2, 1, 2, 8)
     assert mask[0, 0].tolist() == [[True] * 6 + [False] * 2, [True] * 7 + [False]]
     assert mask[1, 0, 0].tolist() == [True] * 3 + [False] * 5
+
+
+def test_a_decode_batch_reads_the_same_rows_however_many_blocks_it_reads():
+    """Batches of decodes below and above the size from which MLX scales the blocks to rows
+    (``_SCALE_IN_GRAPH``, 256 blocks read): each row reads its table's first blocks, then
+    the scratch block, as rows block * heads + head; its token goes to its last block."""
+    rng = np.random.default_rng(5)
+    for rows, longest in ((3, 20), (40, 150)):  # 3 x 6 blocks; 40 x 10 blocks read
+        starts = rng.integers(1, longest, rows).tolist()
+        starts[0] = longest  # the longest row sets the blocks read
+        tables = [rng.choice(500, s // 16 + 2, replace=False).tolist() for s in starts]
+        layout = BatchLayout.build(
+            tables, starts, [1] * rows, block_size=16, scratch_block=999, num_kv_heads=4
+        )
+        width = longest // 16 + 1
+        assert layout.num_read_blocks == width
+        for b, (table, start) in enumerate(zip(tables, starts, strict=True)):
+            blocks = table[: start // 16 + 1]
+            blocks += [999] * (width - len(blocks))
+            want = [[block * 4 + h for block in blocks] for h in range(4)]
+            assert np.array(layout.read_rows[b]).tolist() == want, (rows, b)
+            last = table[start // 16]
+            got = np.array(layout.write_rows[4 * b : 4 * b + 4]).tolist()
+            assert got == [(last * 4 + h) * 16 + start % 16 for h in range(4)]

@@ -26,7 +26,8 @@ configuration, the least-squares line through (mean batch, replay wall µs a ste
 batches, ``µs a step = fixed + per sequence x batch`` (the replay's wall time: run it on a
 quiet machine). ``fixed / batch + per sequence`` is a step's µs a sequence-step; the fixed
 part is what no change to the per-sequence work can remove. Batches above 32 may preempt in
-the default arena (``--num-blocks``).
+the default arena (``--num-blocks``). Against a commit whose bench takes no ``--batches`` (it
+would run its default batch), every REF cell is an error that says so.
 
 The arena (``--num-blocks 4096`` of 16 slots) holds ``max_num_seqs`` (32) sequences of
 ``max_model_len`` (2048) even rounded up to a buddy allocator's powers of two, so requests
@@ -125,6 +126,7 @@ def run_cell(overrides: list[str], out: Path) -> dict:
         "seq_steps": int(steps.to_numpy().sum()),
         "throughput": summary["request_throughput"],
         "completed": summary["completed"],
+        "max_num_seqs": cfg.scheduler.max_num_seqs,
     }
 
 
@@ -142,7 +144,10 @@ def measure(cell: dict, num_blocks: int, timeout: float, out: Path, code: Path =
         return {"error": "timeout"}
     if done.returncode:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    if cell.get("batch") and got.get("max_num_seqs") != cell["batch"]:  # an older bench
+        return {"error": f"ran max_num_seqs={got.get('max_num_seqs', '?')}, not {cell['batch']}"}
+    return got
 
 
 def checkout(ref: str, into: Path) -> Path:

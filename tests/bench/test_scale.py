@@ -1,5 +1,8 @@
 """python -m harness.bench scale: its size ratios, computed by hand."""
 
+import json
+import subprocess
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -10,6 +13,7 @@ from harness.bench.scale import (
     format_cells,
     format_ratios,
     main,
+    measure,
     run_cell,
 )
 
@@ -98,3 +102,23 @@ def test_a_batch_is_the_schedulers_max_num_seqs_and_a_bad_one_is_one_line() -> N
     assert not any("max_num_seqs" in o for o in cell_overrides(cell | {"batch": None}, 64))
     with pytest.raises(SystemExit):
         main(["--batches", "0,8", "--sizes", "10"])
+
+
+def test_a_commit_whose_bench_ignores_the_batch_is_an_error_not_a_figure(monkeypatch) -> None:
+    # A REF checkout from before --batches runs its default max_num_seqs whatever the cell
+    # asks: its figures would compare another configuration, so the cell says so instead.
+    def ran(result: dict):
+        def fake(cmd, **kwargs):
+            return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(result), stderr="")
+
+        return fake
+
+    cell = {"trace": "azure_like", "allocator": "radix", "scheduler": "fcfs", "size": 10,
+            "rate": 40.0, "batch": 8}  # fmt: skip
+    monkeypatch.setattr(subprocess, "run", ran({"steps": 5}))
+    assert measure(cell, 64, 60.0, None) == {"error": "ran max_num_seqs=?, not 8"}
+    monkeypatch.setattr(subprocess, "run", ran({"steps": 5, "max_num_seqs": 32}))
+    assert measure(cell, 64, 60.0, None) == {"error": "ran max_num_seqs=32, not 8"}
+    monkeypatch.setattr(subprocess, "run", ran({"steps": 5, "max_num_seqs": 8}))
+    assert measure(cell, 64, 60.0, None)["steps"] == 5
+    assert measure(cell | {"batch": None}, 64, 60.0, None) == {"steps": 5, "max_num_seqs": 8}

@@ -2,8 +2,8 @@
 
 ``python -m harness.bench scale [--sizes 1000,10000,100000] [--allocators ...]
 [--schedulers fcfs,chunked_prefill] [--traces azure_like,mooncake_like] [--timeout 600]
-[--against REF] [--batches 4,8,16,32]`` (sizes up to 1000000 run; 1M azure_like takes
-minutes to an hour)
+[--against REF] [--batches 4,8,16,32] [--repeats 3]`` (sizes up to 1000000 run; 1M
+azure_like takes minutes to an hour)
 
 On the model clock (``engine.clock=model``, priced by the committed profile
 ``results/baselines/profile-llama-tiny.json``) no model runs: a replay's cost is the per-step
@@ -19,6 +19,12 @@ ratio). ``--against REF`` runs every cell a second time on the code of git commi
 temporary checkout: ``git archive``), on the same machine in the same run, beside this code
 cell by cell (REF first in every other cell: the order alone moved a ratio by 20-30 % here)
 so that both see the same load, and prints this code's CPU per sequence-step over REF's.
+
+``--repeats K`` runs every cell (and its REF) K times, REF first in every other run of a
+cell too, and reports per cell the run of median CPU per sequence-step (the lower middle of
+an even count: every figure of a row is one run's), with the spread of that CPU over the K
+runs, (slowest - fastest) / median (``noise.spread``): on a shared machine identical replays
+here differed by up to 2x, so a ratio nearer 1 than its cells' spread says nothing.
 
 ``--batches`` runs every cell at each ``scheduler.max_num_seqs`` given and splits the cost
 of a step into what it costs whatever its batch and what each sequence in it adds: per
@@ -59,6 +65,7 @@ from pathlib import Path
 
 from harness.bench.support.components import ALLOCATORS, compose_config, options
 from harness.bench.support.tables import format_table
+from harness.platform.noise import spread
 
 PROG = "python -m harness.bench scale"
 PROFILE = "results/baselines/profile-llama-tiny.json"
@@ -150,6 +157,43 @@ def measure(cell: dict, num_blocks: int, timeout: float, out: Path, code: Path =
     return got
 
 
+def median_run(runs: list[dict]) -> dict:
+    """A cell's figures over its repeated runs (``--repeats``): the run of median CPU per
+    sequence-step (the lower middle of an even count), with how many runs there were and the
+    ``spread`` of that CPU over them; the first error if any run failed."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    per = [r["cpu"] / r["seq_steps"] if r["seq_steps"] else 0.0 for r in runs]
+    middle = sorted(range(len(runs)), key=per.__getitem__)[(len(runs) - 1) // 2]
+    return runs[middle] | {"runs": len(runs), "cpu_spread": spread(per)}
+
+
+def run_repeats(
+    cell: dict, args: argparse.Namespace, out: Path, tmp: Path, old_code: Path | None, index: int
+) -> dict:
+    """The ``index``-th cell's ``got`` (and ``old``, on REF's ``old_code``): its
+    ``args.repeats`` runs, each in a folder of its own under ``out`` (kept only with
+    ``--out``), reduced by ``median_run``."""
+    name = "-".join(str(v) for v in cell.values())
+    runs: dict[str, list[dict]] = {"got": [], "old": []}
+    for k in range(args.repeats):
+        # Against REF, every other run of a cell runs REF first: on a shared machine the
+        # order alone moved a ratio by 20-30 %.
+        first = (index + k) % 2 if old_code is not None else 0
+        for which in ("got", "old")[::-1] if first else ("got", "old"):
+            if which == "got":
+                folder = out / (f"{name}-run{k}" if args.repeats > 1 else name)
+                runs["got"].append(measure(cell, args.num_blocks, args.timeout, folder))
+                if not args.out:  # a 100k-request run's tables take ~100 MB
+                    shutil.rmtree(folder, ignore_errors=True)
+            elif old_code is not None:
+                folder = tmp / "against-run"
+                runs["old"].append(measure(cell, args.num_blocks, args.timeout, folder, old_code))
+                shutil.rmtree(folder, ignore_errors=True)
+    return {key: median_run(got) for key, got in runs.items() if got}
+
+
 def checkout(ref: str, into: Path) -> Path:
     """The files of git commit ``ref`` of this repository, unpacked into ``into``."""
     archive = subprocess.run(
@@ -166,14 +210,18 @@ def checkout(ref: str, into: Path) -> Path:
 def format_cells(rows: list[dict]) -> str:
     """One line per cell (a cell run ``--against`` a commit adds its µs per sequence-step
     and this code's CPU per sequence-step over the commit's; one run at a ``--batches``
-    value, its max_num_seqs)."""
+    value, its max_num_seqs; cells run ``--repeats`` times, the runs and their CPU spread)."""
     against = any("old" in r for r in rows)
     batched = any("batch" in r for r in rows)
+    repeated = any(r["got"].get("runs", 1) > 1 for r in rows)
     header = ["trace", "allocator", "scheduler", *(["max_num_seqs"] if batched else []),
               "requests", "wall s", "CPU s", "peak RSS MiB", "steps", "req/s (model)",
               "seq-steps/s", "µs/seq-step"]  # fmt: skip
+    if repeated:
+        header += ["runs", "CPU spread"]
     if against:
         header += ["REF µs/seq-step", "REF peak RSS MiB", "CPU/seq-step vs REF"]
+        header += ["REF CPU spread"] if repeated else []
     lines = []
     for r in rows:
         got = r["got"]
@@ -187,16 +235,26 @@ def format_cells(rows: list[dict]) -> str:
             cells += [f"{got['wall']:.1f}", f"{got['cpu']:.1f}", f"{got['rss_mib']:.0f}",
                       f"{got['steps']:,}", f"{got['throughput']:.2f}", f"{rate:,.0f}",
                       f"{1e6 / rate:.2f}"]  # fmt: skip
+        if repeated:
+            cells += _runs(got)
         if against:
             old = r.get("old", {})
             if "error" in got or "error" in old or not old:
-                cells += [old.get("error", ""), "", "n/a"]
+                cells += [old.get("error", ""), "", "n/a"] + ([""] if repeated else [])
             else:
                 ratio = (got["cpu"] / got["seq_steps"]) / (old["cpu"] / old["seq_steps"])
                 cells += [f"{1e6 * old['replay'] / old['seq_steps']:.2f}",
                           f"{old['rss_mib']:.0f}", f"{ratio:.2f}x"]  # fmt: skip
+                cells += _runs(old)[1:] if repeated else []
         lines.append(cells)
     return format_table(header, lines)
+
+
+def _runs(got: dict) -> list[str]:
+    """A cell's ``runs`` and ``CPU spread`` columns (blank for an error)."""
+    if "error" in got:
+        return ["", ""]
+    return [str(got.get("runs", 1)), f"{got.get('cpu_spread', 0.0):.0%}"]
 
 
 def format_ratios(rows: list[dict], sizes: list[int]) -> str:
@@ -272,6 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches",
                         help="scheduler.max_num_seqs values, comma-separated: each cell at "
                         "each, then the fixed and per-sequence µs of a step")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each cell (and of its REF): the median's figures, "
+                        "and their CPU spread")  # fmt: skip
     parser.add_argument("--cell", help=argparse.SUPPRESS)  # the subprocess: one cell
     args = parser.parse_args(argv)
     if args.cell:
@@ -282,6 +343,8 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [None]
     if any(b is not None and b < 1 for b in batches):
         parser.error(f"--batches: {args.batches!r}; give max_num_seqs values >= 1, e.g. 4,8,16,32")
+    if args.repeats < 1:
+        parser.error(f"--repeats: {args.repeats}; give a number of runs >= 1, e.g. 3")
     groups = {"allocator": args.allocators, "scheduler": args.schedulers, "trace": args.traces}
     chosen = {group: names.split(",") for group, names in groups.items()}
     for group, names in chosen.items():
@@ -300,22 +363,8 @@ def main(argv: list[str] | None = None) -> None:
                                 "size": size, "rate": args.rate}  # fmt: skip
                         if batch is not None:
                             cell["batch"] = batch
-                        folder = out / "-".join(str(v) for v in cell.values())
-                        row = dict(cell)
-                        # Against REF, every other cell runs REF first: on a shared machine
-                        # the order alone moved a cell's ratio by 20-30 %.
-                        first = len(rows) % 2 if old_code is not None else 0
-                        for which in ("got", "old")[::-1] if first else ("got", "old"):
-                            if which == "got":
-                                row["got"] = measure(cell, args.num_blocks, args.timeout, folder)
-                                if not args.out:  # a 100k-request run's tables take ~100 MB
-                                    shutil.rmtree(folder, ignore_errors=True)
-                            elif old_code is not None:
-                                against_run = Path(tmp) / "against-run"
-                                row["old"] = measure(cell, args.num_blocks, args.timeout,
-                                                     against_run, old_code)  # fmt: skip
-                                shutil.rmtree(against_run, ignore_errors=True)
-                        rows.append(row)
+                        rows.append(cell | run_repeats(cell, args, out, Path(tmp), old_code,
+                                                       len(rows)))  # fmt: skip
                         print(" ".join(format_cells(rows[-1:]).splitlines()[-1].split()),
                               flush=True)  # fmt: skip
     against = f"; REF = {args.against}" if args.against else ""

@@ -14,6 +14,7 @@ from harness.bench.scale import (
     format_ratios,
     main,
     measure,
+    median_run,
     run_cell,
 )
 
@@ -122,3 +123,44 @@ def test_a_commit_whose_bench_ignores_the_batch_is_an_error_not_a_figure(monkeyp
     monkeypatch.setattr(subprocess, "run", ran({"steps": 5, "max_num_seqs": 8}))
     assert measure(cell, 64, 60.0, None)["steps"] == 5
     assert measure(cell | {"batch": None}, 64, 60.0, None) == {"steps": 5, "max_num_seqs": 8}
+
+
+def _run(cpu: float, seq_steps: int = 1_000_000) -> dict:
+    return {"wall": cpu + 1, "cpu": cpu, "replay": cpu, "rss_mib": 300.0, "steps": 1_000,
+            "seq_steps": seq_steps, "throughput": 1.0}  # fmt: skip
+
+
+def test_repeated_runs_give_the_median_runs_figures_and_their_spread() -> None:
+    # CPU per sequence-step 2, 1 and 3 µs: the median run is the first; spread (3 - 1) / 2.
+    # Four runs (1, 2, 3, 4 µs): the lower middle, 2; spread (4 - 1) / 2.5 (the median).
+    got = median_run([_run(2.0), _run(1.0), _run(3.0)])
+    assert got == _run(2.0) | {"runs": 3, "cpu_spread": pytest.approx(1.0)}
+    got = median_run([_run(4.0), _run(1.0), _run(3.0), _run(2.0)])
+    assert got["cpu"] == 2.0 and got["cpu_spread"] == pytest.approx(1.2)
+    assert median_run([_run(1.0), {"error": "timeout"}]) == {"error": "timeout"}
+    assert median_run([_run(5.0)])["cpu_spread"] == 0.0
+
+
+def test_repeated_cells_show_their_runs_and_spreads() -> None:
+    # This code: 3 runs, median 10 s over 1 M sequence-steps, spread 30 %; REF: 25 s, 5 %.
+    new = _run(10.0) | {"runs": 3, "cpu_spread": 0.3}
+    old = _run(25.0) | {"runs": 3, "cpu_spread": 0.05}
+    row = _cell(10_000, 0, 0, 0) | {"got": new, "old": old}
+    header, _, line = format_cells([row]).splitlines()
+    assert header.endswith("runs  CPU spread  REF µs/seq-step  REF peak RSS MiB  "
+                           "CPU/seq-step vs REF  REF CPU spread")  # fmt: skip
+    assert line.split()[-6:] == ["3", "30%", "25.00", "300", "0.40x", "5%"]
+    with pytest.raises(SystemExit):
+        main(["--repeats", "0", "--sizes", "10"])
+
+
+def test_each_repeat_writes_a_folder_of_its_own(tmp_path, capsys) -> None:
+    # Two runs of one 10-request cell: two run folders (two runs never write one), one row.
+    main(["--sizes", "10", "--allocators", "free_list", "--schedulers", "fcfs",
+          "--traces", "azure_like", "--repeats", "2", "--out", str(tmp_path)])  # fmt: skip
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert folders == [f"azure_like-free_list-fcfs-10-40.0-run{k}" for k in (0, 1)]
+    assert all((tmp_path / f / REQUESTS_FILE).exists() for f in folders)
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, text in enumerate(lines) if text.startswith("trace"))
+    assert "runs  CPU spread" in lines[header] and lines[header + 2].split()[-2] == "2"

@@ -354,7 +354,8 @@ class LLMEngine:
         outputs = []
         if forward is not None:
             waited = time.perf_counter()
-            self.runner.wait([] if forward.logits is None else [forward.logits])
+            wanted = step.tokens if step.tokens is not None else forward.logits
+            self.runner.wait([] if wanted is None else [wanted])
             step.waited += time.perf_counter() - waited
             outputs = self._postprocess(plan, forward, step)
         self._record(plan, snapshot, now, moved, forward, work, step)
@@ -414,9 +415,16 @@ class LLMEngine:
         work = step_work(plan, forward.work if forward else StepWork(), drafted)
         self.clock.charge(work)
         if forward is not None:
-            if on_device and forward.logits is not None:
+            logits = forward.logits
+            if logits is not None and (
+                on_device
+                or self.sampler.on_device(plan, logits, step.proposals, step.prompt_positions)
+            ):
+                # The step's tokens are its logits' argmax: part of the forward's graph, as
+                # mlx_lm's generate and vLLM's sampler on the device take theirs.
                 step.tokens = mx.argmax(forward.logits, axis=-1)
-            wanted = step.tokens if on_device else forward.logits
+                forward = replace(forward, tokens=step.tokens)
+            wanted = step.tokens if step.tokens is not None else forward.logits
             launched = time.perf_counter()
             self.runner.launch([] if wanted is None else [wanted])  # blocks on MLX's CPU build
             step.waited += time.perf_counter() - launched

@@ -58,13 +58,15 @@ class _Columns(NamedTuple):
 class Forward:
     """A step's forward as a lazy graph: logits of the rows that asked for them
     ([sum num_logits, vocab], in row order), nothing evaluated yet. A runner without a
-    model (harness/engine/modelled.py) gives no logits but the ``tokens`` of those rows."""
+    model (harness/engine/modelled.py) gives no logits but the ``tokens`` of those rows; the
+    engine sets ``tokens`` to the logits' argmax, in the same graph, when that is all a step
+    samples (``StepSampler.on_device``)."""
 
     logits: mx.array | None
     build_time: float  # building index arrays (Python + numpy)
     graph_time: float  # building the model's lazy graph
     work: StepWork  # the forward's part (``forward_work``)
-    tokens: np.ndarray | None = None
+    tokens: np.ndarray | mx.array | None = None
 
 
 class Runner(Protocol):

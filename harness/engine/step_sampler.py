@@ -8,7 +8,8 @@ are written (the output processor's and this sampler's).
 
 The logits come one row per position a ``Row`` asked for, in plan order: a row's prompt
 positions (prompt logprobs), then its sampling position, or a verification's last token and
-drafts. A runner without a model chose the tokens itself (``Forward.tokens``).
+drafts. A runner without a model chose the tokens itself (``Forward.tokens``), and so did
+the forward's graph when every sampling row takes the argmax (``on_device``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from harness.engine.model_runner import Forward
 from harness.engine.outputs import OutputProcessor
 from harness.engine.request import Seq
 from harness.engine.request_table import RequestTable
-from harness.engine.sampling import argmax_tokens, sample
+from harness.engine.sampling import argmax_on_host, argmax_tokens, sample
 from harness.engine.sampling_params import LogprobsMode, TokenLogprobs
 from harness.engine.speculative import Proposal, Verifications, Verified, verify, verify_tokens
 from schedulers.output import SchedulerOutput
@@ -138,6 +139,24 @@ class StepSampler:
         if to_sample:
             self._sample(drawn, logits)
         return drawn
+
+    def on_device(
+        self,
+        plan: SchedulerOutput,
+        logits: mx.array,
+        proposals: dict[Seq, Proposal],
+        prompt_positions: dict[Seq, range],
+    ) -> bool:
+        """``draw``'s first case, with every sampling row taking the argmax of its row of
+        ``logits``, which MLX takes (``argmax_on_host``): the engine computes it on the
+        device in the forward's graph (``Forward.tokens``), and the host reads one id a
+        row, not the logits."""
+        requests = self.requests
+        if proposals or prompt_positions or requests.beams or requests.groups:
+            return False
+        if argmax_on_host(logits.dtype):
+            return False
+        return self._argmax_only([s.seq for s in plan.scheduled if s.samples])
 
     def _sample(self, drawn: Drawn, logits: mx.array) -> None:
         """Draw a token for each of ``drawn.sampled`` from its row of ``logits``."""

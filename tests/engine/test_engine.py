@@ -28,6 +28,7 @@ from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
 from harness.engine.sampling import sample
 from harness.engine.sampling_params import SamplingParams
+from harness.platform.models import random_model
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler
@@ -381,3 +382,39 @@ def test_a_greedy_row_below_min_tokens_skips_its_banned_argmax(model, prompts, r
     tokens = out.outputs[0].token_ids
     assert tokens[0] == reference[0][0] and tokens[1] != reference[0][1]
     assert len(tokens) >= 4
+
+
+def host_draws(engine) -> list[bool]:
+    """Per step that draws tokens from now on: whether its sampler read the logits on the
+    host (no ``Forward.tokens`` from the forward's graph)."""
+    draws = []
+    draw = engine.sampler.draw
+
+    def drawn(plan, forward, proposals, positions):
+        draws.append(forward.tokens is None)
+        return draw(plan, forward, proposals, positions)
+
+    engine.sampler.draw = drawn
+    return draws
+
+
+def test_greedy_steps_take_the_argmax_in_the_forwards_graph_where_mlx_takes_it(model, prompts):
+    """Where MLX takes the argmax (bfloat16 logits here; any on a GPU), a step whose every
+    sampling row is greedy, and that needs its logits for nothing else, takes it in the
+    forward's graph: no step reads its logits on the host, and the tokens are those the host
+    sampler draws for the same requests asking logprobs (which need the logits). Over
+    float32 logits on MLX's CPU build numpy takes it on the host (12x faster there)."""
+    bf16 = random_model("llama", "tiny", seed=0, dtype="bfloat16")
+    engine = make_engine(bf16, FreeListAllocator, block_size=16, num_blocks=2 * blocks_needed(16))
+    draws = host_draws(engine)
+    greedy = [out.outputs[0].token_ids for out in engine.generate(prompts[:3], GREEDY)]
+    assert draws and not any(draws)
+    draws.clear()
+    logprobs = dataclasses.replace(GREEDY, logprobs=1)
+    assert [out.outputs[0].token_ids for out in engine.generate(prompts[:3], logprobs)] == greedy
+    assert draws and all(draws)
+
+    engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=2 * blocks_needed(16))
+    draws = host_draws(engine)
+    engine.generate(prompts[:3], GREEDY)
+    assert draws and all(draws)

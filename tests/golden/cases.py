@@ -25,6 +25,10 @@ GEMMA3_PROFILE = str(HERE / "profile-tiny-gemma3-m4-max.json")
 MODEL = ("engine.clock=model", f"engine.profile={PROFILE}", "warmup=0", "progress=false")
 REAL = ("trace=offline", "trace.num_requests=12", "warmup=0", "progress=false")
 SMALL = ("engine.num_blocks=48",)  # an arena that preempts
+# One token in 20 stops a request (stop_token_ids): most stop before their max_tokens.
+STOPS = ("+sampling.stop_token_ids=[" + ",".join(map(str, range(3, 1024, 20))) + "]",)
+TIERS = (*MODEL, "allocator=radix", "kv_tier=host", "kv_tier.host_blocks=24", "trace=multi_turn",
+         "trace.num_conversations=12", "engine.num_blocks=64")  # fmt: skip
 
 # name -> overrides (applied after tests/support.py's TINY ones)
 CASES: dict[str, tuple[str, ...]] = {
@@ -60,6 +64,11 @@ CASES: dict[str, tuple[str, ...]] = {
                              *REAL, *SMALL, "model=tiny_gemma3", "scheduler=priority",
                              "scheduler.preemption_mode=swap"),
     "swap_real": (*REAL, *SMALL, "scheduler=priority", "scheduler.preemption_mode=swap"),
+    "tiers_host": TIERS,
+    "tiers_write_through": (*TIERS, "kv_tier.write_policy=write_through"),
+    "stops_model": (*MODEL, *SMALL, "trace=poisson", "trace.num_requests=40", *STOPS),
+    "pipeline_real": (*REAL, "engine.pipeline=true"),
+    "stops_pipeline": (*REAL, "engine.pipeline=true", *STOPS),
 }  # fmt: skip
 
 # Columns a measuring clock fills from timings: left out where the case runs the model.

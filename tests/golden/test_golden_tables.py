@@ -25,7 +25,8 @@ def test_a_replay_gives_its_golden_tables(name, tmp_path):
 
 
 def test_the_goldens_cover_preemption_speculation_and_forks():
-    """The cases exercise what a redesign of the step path could break."""
+    """The cases exercise what a redesign of the step path could break: preemption, swaps,
+    speculation, forks, prefix caching, windows, KV tiers, pipelined steps and stops."""
     steps = {n: pd.read_parquet(HERE / f"{n}.steps.parquet") for n in CASES}
     assert steps["priority_recompute"].preempted.sum() > 0
     assert steps["priority_swap"].swap_out_blocks.sum() > 0
@@ -38,3 +39,9 @@ def test_the_goldens_cover_preemption_speculation_and_forks():
     window = steps["sliding_window_model"]
     assert window.window_blocks_used.max() > 0 and window.swap_in_blocks.sum() > 0
     assert window.window_attention_pairs.sum() > 0
+    assert steps["tiers_host"].host_blocks_loaded.sum() > 0
+    assert steps["tiers_write_through"].host_blocks_written.sum() > 0
+    assert steps["pipeline_real"].preempted.sum() > 0
+    for name in ("stops_model", "stops_pipeline"):
+        requests = pd.read_parquet(HERE / f"{name}.requests.parquet")
+        assert (requests.finish_reason == "stop").sum() > len(requests) // 2

@@ -14,6 +14,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from reference import mlx_lm_tokens
 from support import ALLOCATORS, FakeTime, assert_all_free, build_with_policy
 
@@ -418,3 +419,13 @@ def test_greedy_steps_take_the_argmax_in_the_forwards_graph_where_mlx_takes_it(m
     draws = host_draws(engine)
     engine.generate(prompts[:3], GREEDY)
     assert draws and all(draws)
+
+
+def test_a_steps_active_memory_holds_the_weights_and_the_arena(model, prompts):
+    """``mlx_active_bytes``, read at the snapshot (the forward dispatched), counts MLX's
+    buffers in use: at least the weights and the KV arena, which live for the whole run."""
+    engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=64)
+    engine.generate(prompts[:2], GREEDY)
+    weights = sum(w.nbytes for _, w in tree_flatten(model.model.parameters()))
+    active = engine.recorder.step_columns()["mlx_active_bytes"]
+    assert len(active) > 1 and (active >= weights + engine.arena.nbytes).all()

@@ -422,7 +422,7 @@ class LLMEngine:
             ):
                 # The step's tokens are its logits' argmax: part of the forward's graph, as
                 # mlx_lm's generate and vLLM's sampler on the device take theirs.
-                step.tokens = mx.argmax(forward.logits, axis=-1)
+                step.tokens = mx.argmax(logits, axis=-1)
                 forward = replace(forward, tokens=step.tokens)
             wanted = step.tokens if step.tokens is not None else forward.logits
             launched = time.perf_counter()

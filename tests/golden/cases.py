@@ -21,14 +21,25 @@ PROFILE = str(ROOT / "results/baselines/profile-llama-tiny.json")
 # the window model's golden: save(derive(random_model("gemma3_text", "tiny", seed=0,
 # dtype="float32").shape(), "m4-max", block_size=16), path) (harness/costmodel/roofline.py).
 GEMMA3_PROFILE = str(HERE / "profile-tiny-gemma3-m4-max.json")
+# The tiny Llama's, made the same way: a roofline prices disk loads (a measured profile has no
+# disk bandwidth), so the disk tier's case runs on it.
+LLAMA_ROOFLINE = str(HERE / "profile-tiny-llama-m4-max.json")
 
-MODEL = ("engine.clock=model", f"engine.profile={PROFILE}", "warmup=0", "progress=false")
+
+def model_clock(profile: str) -> tuple[str, ...]:
+    """A replay on the model clock, priced by ``profile``."""
+    return ("engine.clock=model", f"engine.profile={profile}", "warmup=0", "progress=false")
+
+
+MODEL = model_clock(PROFILE)
 REAL = ("trace=offline", "trace.num_requests=12", "warmup=0", "progress=false")
 SMALL = ("engine.num_blocks=48",)  # an arena that preempts
 # One token in 20 stops a request (stop_token_ids): most stop before their max_tokens.
 STOPS = ("+sampling.stop_token_ids=[" + ",".join(map(str, range(3, 1024, 20))) + "]",)
-TIERS = (*MODEL, "allocator=radix", "kv_tier=host", "kv_tier.host_blocks=24", "trace=multi_turn",
-         "trace.num_conversations=12", "engine.num_blocks=64")  # fmt: skip
+# The prefix cache on a multi-turn trace in an arena that evicts, its blocks kept below it.
+TIERED = ("allocator=radix", "trace=multi_turn", "trace.num_conversations=12",
+          "engine.num_blocks=64")  # fmt: skip
+TIERS = (*MODEL, *TIERED, "kv_tier=host", "kv_tier.host_blocks=24")
 
 # name -> overrides (applied after tests/support.py's TINY ones)
 CASES: dict[str, tuple[str, ...]] = {
@@ -66,6 +77,10 @@ CASES: dict[str, tuple[str, ...]] = {
     "swap_real": (*REAL, *SMALL, "scheduler=priority", "scheduler.preemption_mode=swap"),
     "tiers_host": TIERS,
     "tiers_write_through": (*TIERS, "kv_tier.write_policy=write_through"),
+    # Every lower-tier hit loaded (min_load_ratio 0: recomputing the tiny model is cheaper).
+    "tiers_host_disk": (*model_clock(LLAMA_ROOFLINE), *TIERED, "kv_tier=host_disk",
+                        "kv_tier.host_blocks=8", "kv_tier.disk_blocks=1024",
+                        "kv_tier.min_load_ratio=0.0"),
     "stops_model": (*MODEL, *SMALL, "trace=poisson", "trace.num_requests=40", *STOPS),
     "pipeline_real": (*REAL, "engine.pipeline=true"),
     "stops_pipeline": (*REAL, "engine.pipeline=true", *STOPS),

@@ -41,6 +41,7 @@ def test_the_goldens_cover_preemption_speculation_and_forks():
     assert window.window_attention_pairs.sum() > 0
     assert steps["tiers_host"].host_blocks_loaded.sum() > 0
     assert steps["tiers_write_through"].host_blocks_written.sum() > 0
+    assert steps["tiers_host_disk"].disk_blocks_loaded.sum() > 0
     assert steps["pipeline_real"].preempted.sum() > 0
     for name in ("stops_model", "stops_pipeline"):
         requests = pd.read_parquet(HERE / f"{name}.requests.parquet")

@@ -47,6 +47,7 @@ from harness.engine.pipeline import Pipeline
 from harness.engine.recorder import Recorder
 from harness.engine.request import RequestOutput, Seq
 from harness.engine.request_table import RequestTable
+from harness.engine.sampling import argmax_on_host
 from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode, SamplingParams
 from harness.engine.speculative import Proposer
 from harness.engine.step_sampler import StepSampler
@@ -418,10 +419,12 @@ class LLMEngine:
             logits = forward.logits
             if logits is not None and (
                 on_device
-                or self.sampler.on_device(plan, logits, step.proposals, step.prompt_positions)
+                or not argmax_on_host(logits.dtype)
+                and self.sampler.argmax_only(plan, step.proposals, step.prompt_positions)
             ):
-                # The step's tokens are its logits' argmax: part of the forward's graph, as
-                # mlx_lm's generate and vLLM's sampler on the device take theirs.
+                # The step's tokens are its logits' argmax, which MLX takes: part of the
+                # forward's graph, as mlx_lm's generate and vLLM's sampler on the device take
+                # theirs.
                 step.tokens = mx.argmax(logits, axis=-1)
                 forward = replace(forward, tokens=step.tokens)
             wanted = step.tokens if step.tokens is not None else forward.logits

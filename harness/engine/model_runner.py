@@ -60,7 +60,7 @@ class Forward:
     ([sum num_logits, vocab], in row order), nothing evaluated yet. A runner without a
     model (harness/engine/modelled.py) gives no logits but the ``tokens`` of those rows; the
     engine sets ``tokens`` to the logits' argmax, in the same graph, when that is all a step
-    samples (``StepSampler.on_device``)."""
+    samples (``StepSampler.argmax_only``) and MLX takes it (``argmax_on_host``)."""
 
     logits: mx.array | None
     build_time: float  # building index arrays (Python + numpy)

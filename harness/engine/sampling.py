@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 
 import mlx.core as mx
 import numpy as np
@@ -118,14 +118,16 @@ def argmax_tokens(logits: mx.array) -> list[int]:
     return mx.argmax(logits, axis=-1).tolist()
 
 
+@cache
 def argmax_on_host(dtype: mx.Dtype) -> bool:
     """Logits of ``dtype`` take their argmax in numpy, on the host, not in MLX: on MLX's CPU
     build over float32 or float16. There MLX's argmax is a plain reduction, ~12x numpy's
     (3.4 against 0.27 ms over 32 x 49,152 float32 logits, SmolLM2's batch 32), and a round
     trip to its CPU stream when run apart from the forward (65 against 5 µs at batch 32 on
     the tiny model's 1,024 tokens). On a GPU, and for bfloat16 (which numpy lacks), MLX's,
-    on the device: in the forward's own graph when that is all a step samples
-    (``StepSampler.on_device``)."""
+    on the device: in the forward's own graph when that is all a step samples (the engine's
+    ``_launch``). Decided once per dtype, on the default device then (a cached call is no
+    Python frame: it runs every step)."""
     return dtype in _NUMPY_FLOATS and mx.default_device().type == mx.DeviceType.cpu
 
 

@@ -9,7 +9,7 @@ are written (the output processor's and this sampler's).
 The logits come one row per position a ``Row`` asked for, in plan order: a row's prompt
 positions (prompt logprobs), then its sampling position, or a verification's last token and
 drafts. A runner without a model chose the tokens itself (``Forward.tokens``), and so did
-the forward's graph when every sampling row takes the argmax (``on_device``).
+the forward's graph when every sampling row takes the argmax (``argmax_only``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from harness.engine.model_runner import Forward
 from harness.engine.outputs import OutputProcessor
 from harness.engine.request import Seq
 from harness.engine.request_table import RequestTable
-from harness.engine.sampling import argmax_on_host, argmax_tokens, sample
+from harness.engine.sampling import argmax_tokens, sample
 from harness.engine.sampling_params import LogprobsMode, TokenLogprobs
 from harness.engine.speculative import Proposal, Verifications, Verified, verify, verify_tokens
 from schedulers.output import SchedulerOutput
@@ -140,21 +140,17 @@ class StepSampler:
             self._sample(drawn, logits)
         return drawn
 
-    def on_device(
+    def argmax_only(
         self,
         plan: SchedulerOutput,
-        logits: mx.array,
         proposals: dict[Seq, Proposal],
         prompt_positions: dict[Seq, range],
     ) -> bool:
-        """``draw``'s first case, with every sampling row taking the argmax of its row of
-        ``logits``, which MLX takes (``argmax_on_host``): the engine computes it on the
-        device in the forward's graph (``Forward.tokens``), and the host reads one id a
-        row, not the logits."""
+        """``draw``'s first case, with every sampling row taking its logits' argmax: the
+        step's tokens are the argmax of its logits, row by row, which the engine may compute
+        in the forward's graph (``Forward.tokens``)."""
         requests = self.requests
         if proposals or prompt_positions or requests.beams or requests.groups:
-            return False
-        if argmax_on_host(logits.dtype):
             return False
         return self._argmax_only([s.seq for s in plan.scheduled if s.samples])
 

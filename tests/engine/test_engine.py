@@ -27,7 +27,7 @@ from harness.engine.clock import VirtualClock
 from harness.engine.intake import OutputCutWarning
 from harness.engine.kv_cache import KVArena
 from harness.engine.model_runner import ModelRunner, Row
-from harness.engine.sampling import sample
+from harness.engine.sampling import argmax_on_host, sample
 from harness.engine.sampling_params import SamplingParams
 from harness.platform.models import random_model
 from schedulers.chunked_prefill import ChunkedPrefillScheduler
@@ -404,7 +404,8 @@ def test_greedy_steps_take_the_argmax_in_the_forwards_graph_where_mlx_takes_it(m
     sampling row is greedy, and that needs its logits for nothing else, takes it in the
     forward's graph: no step reads its logits on the host, and the tokens are those the host
     sampler draws for the same requests asking logprobs (which need the logits). Over
-    float32 logits on MLX's CPU build numpy takes it on the host (12x faster there)."""
+    float32 logits numpy takes it on the host on MLX's CPU build (12x faster there), MLX in
+    the graph on a GPU."""
     bf16 = random_model("llama", "tiny", seed=0, dtype="bfloat16")
     engine = make_engine(bf16, FreeListAllocator, block_size=16, num_blocks=2 * blocks_needed(16))
     draws = host_draws(engine)
@@ -418,7 +419,7 @@ def test_greedy_steps_take_the_argmax_in_the_forwards_graph_where_mlx_takes_it(m
     engine = make_engine(model, FreeListAllocator, block_size=16, num_blocks=2 * blocks_needed(16))
     draws = host_draws(engine)
     engine.generate(prompts[:3], GREEDY)
-    assert draws and all(draws)
+    assert draws and all(host == argmax_on_host(mx.float32) for host in draws)
 
 
 def test_a_steps_active_memory_holds_the_weights_and_the_arena(model, prompts):

@@ -426,7 +426,8 @@ class LLMEngine:
                 # forward's graph, as mlx_lm's generate and vLLM's sampler on the device take
                 # theirs.
                 step.tokens = mx.argmax(logits, axis=-1)
-                forward = replace(forward, tokens=step.tokens)
+                if not on_device:  # the sampler reads them (a pipelined step carries them)
+                    forward = replace(forward, tokens=step.tokens)
             wanted = step.tokens if step.tokens is not None else forward.logits
             launched = time.perf_counter()
             self.runner.launch([] if wanted is None else [wanted])  # blocks on MLX's CPU build

@@ -185,6 +185,7 @@ class Scheduler(ABC):
         child.num_cached_tokens = 0  # on the device by a fork: it looks nothing up
         child.status = Status.RUNNING
         self.running.append(child)
+        self.progress.admit(child)
         rings = ()
         if self.rings is not None:  # a ring is copied, never shared
             ring = self.rings.take(child.request_id)

@@ -15,6 +15,7 @@ blocks go (``hand_over``), so the engine can save it before the next step writes
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 
 from allocators.base import BlockAllocator
@@ -24,6 +25,7 @@ from schedulers.request import Request, Status
 from schedulers.stopping import Stopping
 
 Stop = tuple[str, object]  # (finish reason, stop reason)
+OWN_TOKENS = "i"  # a running sequence's token_ids: an int32 array (radix keys are its bytes)
 _LENGTH: Stop = ("length", None)
 
 
@@ -86,9 +88,14 @@ class Progress:
     def admit(seq: Request) -> None:
         """``seq`` runs: a waiting sequence's tokens are its prompt, shared with whoever
         sent it (a tuple, or a trace's compact array: a saturated queue of long prompts
-        holds one copy of each, not two); running, it gets a list of its own to grow."""
-        if type(seq.token_ids) is not list:
-            seq.token_ids = list(seq.token_ids)
+        holds one copy of each, not two), or a fork's list; running, it gets an int32 array
+        of its own to grow (``OWN_TOKENS``: copied in C, 4 bytes a token, where a list made
+        a Python int of each id past 256 and 8 bytes a pointer to it), kept when it is
+        admitted again after a preemption."""
+        tokens = seq.token_ids
+        own = type(tokens) is array and tokens.typecode == OWN_TOKENS
+        if not own or tokens is seq.prompt_token_ids:  # a trace's int32 prompt is its sender's
+            seq.token_ids = array(OWN_TOKENS, tokens)
 
     def append(self, seq: Request, tokens: Sequence[int], now: float) -> Stop | None:
         """Append ``tokens``, each existing on the host at ``now``, up to the first that

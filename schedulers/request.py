@@ -41,8 +41,8 @@ class Request(Protocol):
     request_id: str
     # Prompt + output so far (prefix-cache matching reads it): the prompt as its sender gave
     # it (a tuple, or a trace's compact array of ids, shared) until first admitted
-    # (``Progress.admit``), then a list that grows.
-    token_ids: list[int] | Sequence[int]
+    # (``Progress.admit``), then an int32 array of its own that grows.
+    token_ids: Sequence[int]
     num_prompt_tokens: int
     # The prompt as its sender gave it, kept when ``token_ids`` becomes a list (a commit
     # within it reads these: a compact array keys a prefix cache's blocks at C speed)

@@ -485,7 +485,7 @@ class LLMEngine:
         for (seq, num_new, samples, num_draft, _), table in zip(scheduled, tables, strict=True):
             start = seq.num_computed_tokens
             end = start + num_new - num_draft
-            fed = seq.token_ids[start:end]
+            fed = seq.token_ids[start:end].tolist()
             num_logits = 1 if samples else 0
             on_device = ring = ()
             if num_draft:

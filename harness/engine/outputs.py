@@ -55,7 +55,7 @@ class OutputProcessor:
         if seq.num_output_tokens + len(drafts) < seq.params.min_tokens:
             eos = () if seq.params.ignore_eos else self.model.eos_token_ids
             banned = tuple(eos) + seq.params.stop_token_ids
-        tokens = seq.token_ids + list(drafts) if drafts else seq.token_ids
+        tokens = [*seq.token_ids, *drafts] if drafts else seq.token_ids
         return SampleRow(seq.params, tokens, seq.num_prompt_tokens, seq.rng, banned)
 
     def takes_argmax(self, seq: Seq) -> bool:
@@ -97,8 +97,7 @@ class OutputProcessor:
             ):
                 append(self.report(seq))
                 continue
-            tokens = seq.token_ids[seq.num_prompt_tokens :]
-            completion = CompletionOutput(seq.index, "", tokens, None, None)
+            completion = CompletionOutput(seq.index, "", seq.output_token_ids, None, None)
             append(RequestOutput(seq.group_id, seq.prompt_token_ids, [completion], False))
         return outputs
 

@@ -23,14 +23,15 @@ class Seq:
     verifier its speculative counts; the rest is set when it is made.
 
     ``token_ids`` is prompt + output: a tuple, the prompt shared with its sender, until the
-    scheduler first admits it (``Progress.admit``), then a list of its own that grows. The
+    scheduler first admits it (``Progress.admit``), then an int32 array of its own that
+    grows (a sequence of ints; ``output_token_ids`` is a list). The
     last sampled token has no KV yet, so a running sequence in decode has
     ``num_computed_tokens == len(token_ids) - 1`` and computes one token per step; a prefill
     (or a recompute after preemption) computes the rest.
     """
 
     request_id: str
-    token_ids: list[int] | Sequence[int]  # the prompt as given until admitted
+    token_ids: Sequence[int]  # the prompt as given until admitted, then an int32 array
     params: SamplingParams
     arrival_time: float
     priority: int = 0
@@ -86,7 +87,7 @@ class Seq:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return list(self.token_ids[self.num_prompt_tokens :])
 
     @property
     def num_output_tokens(self) -> int:

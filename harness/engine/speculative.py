@@ -251,7 +251,7 @@ class DraftProposer:
         seq = s.seq
         table = self.allocator.block_table(seq.request_id)
         if j == 0:  # catch up with the sequence: its new tokens (the whole prompt at first)
-            return Row(seq.token_ids[s.draft_start :], s.draft_start, table)
+            return Row(seq.token_ids[s.draft_start :].tolist(), s.draft_start, table)
         return Row([proposal.tokens[-1]], seq.num_tokens + j - 1, table)
 
 

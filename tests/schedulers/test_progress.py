@@ -4,11 +4,14 @@ a sequence leaves is ``Scheduler.finish``. Values are worked out by hand in each
 
 from __future__ import annotations
 
+from array import array
+
 from allocators.free_list import FreeListAllocator
 from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams
 from schedulers.fcfs import FCFSScheduler
 from schedulers.output import INFLIGHT, StepResults
+from schedulers.progress import Progress
 from schedulers.request import Status
 from schedulers.stopping import Stopping
 
@@ -85,7 +88,7 @@ def test_update_moves_progress_appends_stamps_and_finishes_at_a_stop():
     (row,) = plan.scheduled
     assert (row.num_new_tokens, row.samples) == (4, True)  # the whole prompt, then a token
     sched.update(plan, StepResults({a: [11]}, now=1.5))
-    assert a.num_computed_tokens == 4 and a.token_ids == [5, 6, 7, 8, 11]
+    assert a.num_computed_tokens == 4 and list(a.token_ids) == [5, 6, 7, 8, 11]
     assert list(a.token_times) == [1.5] and a.first_token_time == 1.5
     assert a.status is Status.RUNNING and sched.allocator.stats().used_blocks == 1
     plan = sched.schedule(2.0)  # a decode: token 11 goes in, a fifth slot, a second block
@@ -153,3 +156,27 @@ def test_every_exit_is_finish_and_an_abort_saves_no_kv():
     assert sched.progress.take_released() == [(kept, blocks)]
     assert sched.progress.take_finished() == [too_long, kept, aborted]
     assert sched.allocator.stats().used_blocks == 0
+
+
+def test_a_running_sequence_grows_an_int32_array_of_its_own_and_outputs_lists():
+    # A trace's compact prompt (int32) and a tuple, each shared with its sender until admitted
+    sent = array("i", (5, 6, 7, 8))
+    greedy = SamplingParams(temperature=0)
+    a, b = Seq("a", sent, greedy, arrival_time=0.0), Seq("b", (5, 6, 7), greedy, arrival_time=0.0)
+    assert a.token_ids is a.prompt_token_ids is sent
+    sched = scheduler(preemption_mode="recompute")
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule(now=0.0)
+    assert [s.seq for s in plan.scheduled] == [a, b]
+    for s in (a, b):
+        assert type(s.token_ids) is array and s.token_ids.typecode == "i"
+    assert a.token_ids is not sent and a.prompt_token_ids is sent
+    sched.update(plan, StepResults({}, [a, b], [1000, 300], (), 1.0))
+    assert sent == array("i", (5, 6, 7, 8))  # the sender's prompt is never written
+    assert list(a.token_ids) == [5, 6, 7, 8, 1000] and list(b.token_ids) == [5, 6, 7, 300]
+    assert a.output_token_ids == [1000] and type(b.output_token_ids) is list
+    # Admitted again (after a preemption by recompute), it keeps its own array: no copy
+    own = a.token_ids
+    Progress.admit(a)
+    assert a.token_ids is own

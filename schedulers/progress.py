@@ -18,6 +18,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from allocators.base import BlockAllocator
 from schedulers.kv_groups import DraftKV
 from schedulers.output import INFLIGHT, SchedulerOutput
@@ -93,9 +95,13 @@ class Progress:
         a Python int of each id past 256 and 8 bytes a pointer to it), kept when it is
         admitted again after a preemption."""
         tokens = seq.token_ids
-        own = type(tokens) is array and tokens.typecode == OWN_TOKENS
-        if not own or tokens is seq.prompt_token_ids:  # a trace's int32 prompt is its sender's
+        if type(tokens) is not array:  # a tuple (or a fork's list) of ints
             seq.token_ids = array(OWN_TOKENS, tokens)
+        elif tokens.typecode != OWN_TOKENS or tokens is seq.prompt_token_ids:
+            # A compact prompt, its sender's: widened by numpy (7 against 330 us for 16k
+            # 2-byte ids made a list, or 900 by array's own per-id conversion)
+            own = seq.token_ids = array(OWN_TOKENS)
+            own.frombytes(np.asarray(tokens).astype(np.int32).tobytes())
 
     def append(self, seq: Request, tokens: Sequence[int], now: float) -> Stop | None:
         """Append ``tokens``, each existing on the host at ``now``, up to the first that

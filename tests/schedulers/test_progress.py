@@ -172,6 +172,9 @@ def test_a_running_sequence_grows_an_int32_array_of_its_own_and_outputs_lists():
     for s in (a, b):
         assert type(s.token_ids) is array and s.token_ids.typecode == "i"
     assert a.token_ids is not sent and a.prompt_token_ids is sent
+    narrow = Seq("c", array("H", (5, 6)), greedy, arrival_time=0.0)  # 2-byte ids, widened
+    Progress.admit(narrow)
+    assert narrow.token_ids == array("i", (5, 6)) and narrow.prompt_token_ids == array("H", (5, 6))
     sched.update(plan, StepResults({}, [a, b], [1000, 300], (), 1.0))
     assert sent == array("i", (5, 6, 7, 8))  # the sender's prompt is never written
     assert list(a.token_ids) == [5, 6, 7, 8, 1000] and list(b.token_ids) == [5, 6, 7, 300]

@@ -97,7 +97,9 @@ class OutputProcessor:
             ):
                 append(self.report(seq))
                 continue
-            completion = CompletionOutput(seq.index, "", seq.output_token_ids, None, None)
+            # output_token_ids, a Python call less: running, its tokens are an array
+            tokens = seq.token_ids[seq.num_prompt_tokens :].tolist()
+            completion = CompletionOutput(seq.index, "", tokens, None, None)
             append(RequestOutput(seq.group_id, seq.prompt_token_ids, [completion], False))
         return outputs
 

@@ -44,7 +44,7 @@ class Request(Protocol):
     # (``Progress.admit``), then an int32 array of its own that grows.
     token_ids: Sequence[int]
     num_prompt_tokens: int
-    # The prompt as its sender gave it, kept when ``token_ids`` becomes a list (a commit
+    # The prompt as its sender gave it, kept when ``token_ids`` becomes its own array (a commit
     # within it reads these: a compact array keys a prefix cache's blocks at C speed)
     prompt_token_ids: Sequence[int]
     params: RequestParams

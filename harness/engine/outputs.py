@@ -97,8 +97,7 @@ class OutputProcessor:
             ):
                 append(self.report(seq))
                 continue
-            # output_token_ids, a Python call less: running, its tokens are an array
-            tokens = seq.token_ids[seq.num_prompt_tokens :].tolist()
+            tokens = list(seq.token_ids[seq.num_prompt_tokens :])  # output_token_ids, inline
             completion = CompletionOutput(seq.index, "", tokens, None, None)
             append(RequestOutput(seq.group_id, seq.prompt_token_ids, [completion], False))
         return outputs

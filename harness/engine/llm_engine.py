@@ -330,6 +330,7 @@ class LLMEngine:
                 if window is not None:
                     window.drop(seq.request_id)
                 self.requests.remove(seq)
+                self.outputs.forget(seq)
                 group = beams.get(seq.group_id)
                 if group is None and seq.finish_reason is not None:
                     self.recorder.request(seq)

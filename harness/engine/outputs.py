@@ -48,6 +48,11 @@ class OutputProcessor:
     def __init__(self, model: LoadedModel, requests: RequestTable) -> None:
         self.model = model
         self.requests = requests
+        # Per running sequence that streams plainly (``report_alone``), its output tokens
+        # streamed so far as ints (vLLM's OutputProcessor keeps its own output_token_ids
+        # too): each step makes ints of its new tokens only, then copies pointers, where
+        # ``list(seq.token_ids[n:])`` made an int of every output token, every step.
+        self._streamed: dict[Seq, list[int]] = {}
 
     def sample_row(self, seq: Seq, drafts: Sequence[int] = ()) -> SampleRow:
         """The sampler's view of ``seq``, with ``drafts`` appended when verifying them."""
@@ -78,29 +83,39 @@ class OutputProcessor:
     def report_alone(self, seqs: Sequence[Seq]) -> list[RequestOutput]:
         """``report_progress`` of each of ``seqs``, every one its request's only sequence
         (n = 1, no beam search). A running sequence without logprobs, most of a step's, gets
-        its output built here in one pass (no text, no finish yet, its output tokens copied);
-        any other goes through ``report``. Without a live sequence that streams (a replay
-        asks for final outputs only), the finished ones alone, in one pass."""
+        its output built here in one pass (no text, no finish yet, its output tokens copied
+        from its ``_streamed`` list, which gains the step's new ones; from its first output
+        on, one lookup tells it is such a sequence); any other goes through ``report``.
+        Without a live sequence that streams (a replay asks for final outputs only), the
+        finished ones alone, in one pass."""
         if not self.requests.streams:
             finished = Status.FINISHED
             return [self.report(seq) for seq in seqs if seq.status is finished]
         outputs = []
         append = outputs.append
+        finished, streaming = Status.FINISHED, self._streamed
         for seq in seqs:
-            params = seq.params
-            if params.output_kind != "cumulative" and seq.status is not Status.FINISHED:
-                continue  # a final output only: none before it finishes
-            if (
-                seq.status is Status.FINISHED
-                or params.logprobs is not None
-                or params.prompt_logprobs is not None
-            ):
-                append(self.report(seq))
-                continue
-            tokens = list(seq.token_ids[seq.num_prompt_tokens :])  # output_token_ids, inline
-            completion = CompletionOutput(seq.index, "", tokens, None, None)
+            streamed = streaming.get(seq)  # a plain stream's, once it has streamed
+            if streamed is None or seq.status is finished:
+                params = seq.params
+                if params.output_kind != "cumulative" and seq.status is not finished:
+                    continue  # a final output only: none before it finishes
+                if (
+                    seq.status is finished
+                    or params.logprobs is not None
+                    or params.prompt_logprobs is not None
+                ):
+                    append(self.report(seq))
+                    continue
+                streamed = streaming[seq] = []
+            streamed += seq.token_ids[seq.num_prompt_tokens + len(streamed) :]
+            completion = CompletionOutput(seq.index, "", streamed.copy(), None, None)
             append(RequestOutput(seq.group_id, seq.prompt_token_ids, [completion], False))
         return outputs
+
+    def forget(self, seq: Seq) -> None:
+        """``seq`` left the engine: its streamed tokens go."""
+        self._streamed.pop(seq, None)
 
     def report(self, seq: Seq) -> RequestOutput:
         """The request's output: all its completions (n > 1), finished when all are."""

@@ -54,6 +54,14 @@ def test_a_running_requests_output_is_built_in_one_pass_as_report_builds_it(mode
     assert got[1].outputs[0].logprobs == [] and got[2].finished_time == 2.5
     plain.token_ids.append(6)  # an output already returned never changes
     assert got[0].outputs[0].token_ids == [4, 5]
+    # The next step's output holds every output token (the tokens streamed before and the
+    # new one), as report gives it, in a list of its own.
+    again = outputs.report_alone([plain])
+    assert again == [outputs.report(plain)] and again[0].outputs[0].token_ids == [4, 5, 6]
+    plain.token_ids.append(1)
+    assert again[0].outputs[0].token_ids == [4, 5, 6] and got[0].outputs[0].token_ids == [4, 5]
+    outputs.forget(plain)  # it left: its next output (were it reported) starts afresh
+    assert outputs.report_alone([plain])[0].outputs[0].token_ids == [4, 5, 6, 1]
 
 
 def test_without_a_streaming_request_only_the_finished_are_reported(model):

@@ -328,6 +328,40 @@ def test_the_warm_up_leaves_the_measured_engine_clean(compose_cfg, tmp_path: Pat
     assert steps["blocks_cached"].iloc[0] == 0
 
 
+def test_a_replay_runs_without_the_cyclic_collector_and_warns_of_cycles_it_left(
+    compose_cfg, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """While the trace replays the collector is off; a replay that makes reference cycles
+    (here one a step, made by a wrapped ``engine.step``) gets them freed at its end and one
+    warning that counts them: two objects a step."""
+    import gc
+
+    import harness.cli.run as run_module
+
+    steps_seen = []
+    real_replay = run_module.replay
+
+    def replay(engine, *args, **kwargs):
+        real_step = engine.step
+
+        def step(*a, **k):
+            steps_seen.append(gc.isenabled())
+            a_, b_ = {}, {}
+            a_["b"], b_["a"] = b_, a_  # a cycle of two, dropped at once
+            return real_step(*a, **k)
+
+        engine.step = step
+        return real_replay(engine, *args, **kwargs)
+
+    monkeypatch.setattr(run_module, "replay", replay)
+    with caplog.at_level(logging.WARNING, logger="harness.cli.run"):
+        summary = run(compose_cfg(["warmup=0"]), tmp_path)
+    assert steps_seen and not any(steps_seen) and gc.isenabled()
+    warned = [r.getMessage() for r in caplog.records if "reference cycles" in r.getMessage()]
+    assert warned == [warned[0]] and f"left {2 * len(steps_seen)} objects" in warned[0]
+    assert summary["completed"] == 6
+
+
 def test_peak_memory_is_the_runs_own(compose_cfg, tmp_path: Path) -> None:
     """A small job after a large one in the same process reports its own peak: 2048 blocks
     of the tiny model are 128 MiB of KV, 64 blocks 4 MiB. MLX's peak counts every live array

@@ -22,6 +22,7 @@ last step.
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from collections.abc import Mapping
 from itertools import chain, compress, repeat
 from operator import attrgetter, itemgetter, ne, sub
@@ -129,8 +130,9 @@ class Recorder:
         # time, one pass over the entries for them all).
         self._ended: list[int] = []
         # How many running tables hold each block (its keys: the distinct blocks), kept up
-        # to date as tables change rather than recounted every step.
-        self._holders: dict[int, int] = {}
+        # to date as tables change rather than recounted every step (a Counter: a table's
+        # blocks are counted in C: 45 against 99 us a loop took for 1,000 blocks).
+        self._holders: Counter[int] = Counter()
         # The step before's running set, its preemption counts and holdings (a list the
         # entries keep, never changed).
         self._last_running: tuple[Seq, ...] = ()
@@ -275,8 +277,8 @@ class Recorder:
         versions, seen = holdings.versions, self._versions
         for i in compress(range(len(ids)), map(ne, map(seen.__getitem__, ids), versions)):
             holding, table = ids[i], tables[i]
-            _count_table(self._holders, counted[holding], table)
-            counted[holding], seen[holding] = table.copy(), versions[i]
+            counted[holding] = _count_table(self._holders, counted[holding], table)
+            seen[holding] = versions[i]
         self._entries.add(ids, index, holdings.held_slots, written)
         unwritten = sum(holdings.num_tokens) - sum(written)  # allocated, not written by the end
         refs = sum(map(len, tables))  # table entries: a block once per table that holds it
@@ -576,21 +578,23 @@ def _settle(entries: np.ndarray, future, internal, num_steps: int) -> None:
     internal[at] -= moved
 
 
-def _count_table(holders: dict[int, int], old: list[int], table: list[int]) -> None:
-    """Recount a table that changed since it was last counted: a table that only grew (a
-    decode into a new block, a chunk) adds its new blocks; any other change (copy-on-write,
-    relocation, trim) recounts it whole."""
-    n = len(old)
-    if n and table[:n] == old:
+def _count_table(holders: Counter[int], counted: list[int], table: list[int]) -> list[int]:
+    """Recount a table that changed since it was last counted (``counted``: the recorder's
+    copy of it then): a table that only grew (a decode into a new block, a chunk) adds its
+    new blocks, and ``counted`` grows by them in place; any other change (copy-on-write,
+    relocation, trim) recounts it whole from a new copy. Returns the copy counted now."""
+    n = len(counted)
+    if n and table[:n] == counted:
         added = table[n:]
+        counted += added
     else:
-        _uncount(holders, old)
-        added = table
-    for block in added:
-        holders[block] = holders.get(block, 0) + 1
+        _uncount(holders, counted)
+        added = counted = table.copy()
+    holders.update(added)
+    return counted
 
 
-def _uncount(holders: dict[int, int], table: list[int]) -> None:
+def _uncount(holders: Counter[int], table: list[int]) -> None:
     for block in table:
         left = holders[block] - 1
         if left:

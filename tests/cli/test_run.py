@@ -333,7 +333,7 @@ def test_a_replay_runs_without_the_cyclic_collector_and_warns_of_cycles_it_left(
 ) -> None:
     """While the trace replays the collector is off; a replay that makes reference cycles
     (here one a step, made by a wrapped ``engine.step``) gets them freed at its end and one
-    warning that counts them: two objects a step."""
+    warning that counts them: at least two objects a step."""
     import gc
 
     import harness.cli.run as run_module
@@ -357,8 +357,9 @@ def test_a_replay_runs_without_the_cyclic_collector_and_warns_of_cycles_it_left(
     with caplog.at_level(logging.WARNING, logger="harness.cli.run"):
         summary = run(compose_cfg(["warmup=0"]), tmp_path)
     assert steps_seen and not any(steps_seen) and gc.isenabled()
-    warned = [r.getMessage() for r in caplog.records if "reference cycles" in r.getMessage()]
-    assert warned == [warned[0]] and f"left {2 * len(steps_seen)} objects" in warned[0]
+    (warned,) = [r.getMessage() for r in caplog.records if "reference cycles" in r.getMessage()]
+    # Two a step, and whatever another thread of the test process left meanwhile (a floor).
+    assert int(re.search(r"left (\d+) objects", warned).group(1)) >= 2 * len(steps_seen)
     assert summary["completed"] == 6
 
 

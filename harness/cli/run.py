@@ -149,8 +149,9 @@ def run(
         log.warning(line)
     # the machine's speed before and after the replay: timed figures mean nothing closer
     probes = noise.probe() if engine.clock.measures else []
-    mx.reset_peak_memory()  # mlx_peak_bytes is this run's, not an earlier job's
     with collector_paused() as collector:  # its passes would be the harness's time
+        # mlx_peak_bytes is this run's, not an earlier job's (nor its garbage, collected now)
+        mx.reset_peak_memory()
         started = time.perf_counter()
         try:
             log.info("replaying %d requests", len(trace))  # in the try: an interrupt keeps rows

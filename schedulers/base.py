@@ -27,7 +27,9 @@ sliding-window model's rings live on allocators of their own (``kv_groups.py``).
 
 Policies override the hooks that differ: ``_waiting_order`` / ``_incoming_order`` (who comes
 in first), ``_victim`` (who is preempted), ``_running_order`` and ``_chunk`` (chunking), and
-``_make_room`` (preempting to admit a more important request).
+``_make_room`` (preempting to admit a more important request); ``_queued`` / ``_unqueued``
+hear every change to the waiting and swapped queues (a policy that keeps its incoming order
+sorted as they change, rather than sorting them every step).
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ class Scheduler(ABC):
         KV when it stops (``Progress.hand_over``)."""
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        self._queued(seq)
         self.allocator.expect(seq.request_id, self._final_slots(seq))
         if restored:
             self.restored[seq.request_id] = restored
@@ -180,6 +183,7 @@ class Scheduler(ABC):
             child.num_computed_tokens = 0
             child.status = Status.WAITING
             self.waiting.appendleft(child)
+            self._queued(child, front=True)
             return None
         child.num_computed_tokens = child.num_forked_tokens = parent.num_computed_tokens
         child.num_cached_tokens = 0  # on the device by a fork: it looks nothing up
@@ -216,6 +220,8 @@ class Scheduler(ABC):
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
+                if queue is not self.running:
+                    self._unqueued(seq)
                 break
         self._let_go(seq, reason, now, stop_reason, abort_reason)
 
@@ -431,6 +437,8 @@ class Scheduler(ABC):
         A swapped-in sequence runs from the next step (the engine writes it after this step's
         block copies, whose sources may be its blocks). The order is read lazily (a saturated
         queue holds tens of thousands), so those leaving the queues go after the loop."""
+        if len(self.running) >= self.max_num_seqs:  # the batch is full: nobody comes in
+            return budget  # (the loop's first test; a policy's order is not even built)
         just_preempted = {id(s) for s, _ in out.preempted}
         leaving: list[tuple[deque[Request] | list[Request], Request]] = []  # admitted, rejected
         for seq in self._incoming():
@@ -499,6 +507,7 @@ class Scheduler(ABC):
             budget = self._add_rows(out, [self._row(seq, n)], [alloc], budget)
         for queue, seq in leaving:
             queue.remove(seq)
+            self._unqueued(seq)
         return budget
 
     def _reads_prefix_cache(self, seq: Request) -> bool:
@@ -540,6 +549,7 @@ class Scheduler(ABC):
             ring = self._release(seq.request_id)
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
+            self._queued(seq)
             self.swap_space.hold(seq.request_id, num_blocks)
             out.swapped_out.append(SwapOut(seq, blocks, ring))
             out.preempted.append((seq, Preemption.SWAP))
@@ -548,6 +558,7 @@ class Scheduler(ABC):
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+        self._queued(seq, front=True)
         out.preempted.append((seq, Preemption.RECOMPUTE))
 
     # -- policy hooks --------------------------------------------------------------------
@@ -563,6 +574,13 @@ class Scheduler(ABC):
     def _incoming_order(self) -> Iterable[Request]:
         """Who comes in first: swapped sequences (earliest swapped first), then waiting."""
         return chain(self.swapped, self._waiting_order())
+
+    def _queued(self, seq: Request, front: bool = False) -> None:  # noqa: B027 (optional hook)
+        """``seq`` joined ``swapped`` (SWAPPED: at its end) or ``waiting`` (at its end, or at
+        its front if ``front``): a policy that keeps its own incoming order hears it here."""
+
+    def _unqueued(self, seq: Request) -> None:  # noqa: B027 (optional hook)
+        """``seq`` left ``waiting`` or ``swapped``."""
 
     def _incoming(self) -> Iterator[Request]:
         """``_incoming_order`` without the parked sequences, lazily: the head of a long

@@ -24,6 +24,7 @@ Victims under memory pressure (``victim``), as in the low-level design seed:
 from __future__ import annotations
 
 import copy
+from bisect import bisect_left, insort
 
 from allocators.base import BlockAllocator
 from schedulers.admission import fits, never_fits
@@ -53,6 +54,14 @@ class PriorityScheduler(Scheduler):
         self.victim = victim
         self.aging_rate = aging_rate
         self.preempt_lower = preempt_lower
+        # The incoming order (swapped, then waiting, stably sorted by rank), kept sorted as
+        # the queues change instead of sorted every step (a saturated queue holds tens of
+        # thousands, and ``_make_room`` reads its head every step): each queued sequence's
+        # key is its rank, then 0 if swapped else 1, then its place in its queue, a count
+        # that grows at the queues' ends and falls at the waiting queue's front.
+        self._order: list[Request] = []
+        self._keys: dict[Request, tuple] = {}
+        self._back = self._front = 0
 
     def rank(self, seq: Request) -> tuple[float, float]:
         """Sort key: smaller runs first (effective priority up to a shared constant)."""
@@ -62,8 +71,24 @@ class PriorityScheduler(Scheduler):
         return sorted(self.waiting, key=self.rank)  # stable: equal keys keep queue order
 
     def _incoming_order(self) -> list[Request]:
-        # Swapped first among equals; otherwise a swapped request waits its turn.
-        return sorted(self.swapped + list(self.waiting), key=self.rank)
+        # Swapped first among equals; otherwise a swapped request waits its turn. (The
+        # order itself, read before anyone leaves the queues: ``_bring_in``.)
+        return self._order
+
+    def _queued(self, seq: Request, front: bool = False) -> None:
+        if front:
+            self._front -= 1
+            place = self._front
+        else:
+            self._back += 1
+            place = self._back
+        self._keys[seq] = (*self.rank(seq), 0 if seq.status is Status.SWAPPED else 1, place)
+        insort(self._order, seq, key=self._keys.__getitem__)
+
+    def _unqueued(self, seq: Request) -> None:
+        keys = self._keys
+        del self._order[bisect_left(self._order, keys[seq], key=keys.__getitem__)]
+        del keys[seq]
 
     def _running_order(self) -> list[Request]:
         # The most important grow first, so the least important are still unscheduled (and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from operator import attrgetter
 
+from allocators.base import BlockAllocator
 from schedulers.base import Scheduler
 from schedulers.output import KVStats
 from schedulers.request import Status
@@ -18,9 +19,11 @@ def kv_stats(scheduler: Scheduler) -> KVStats:
     alloc = scheduler.allocator
     running = tuple(scheduler.running)
     holdings = alloc.holdings(list(map(_REQUEST_ID, running)))
-    head = scheduler.next_incoming()
     unusable = 0
-    if head is not None:
+    # Only an allocator whose free blocks can be unusable asks for the head of the line (a
+    # priority policy sorts its whole queue to name it).
+    fragments = type(alloc).unusable_free_blocks is not BlockAllocator.unusable_free_blocks
+    if fragments and (head := scheduler.next_incoming()) is not None:
         need = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
         unusable = alloc.unusable_free_blocks(need, head.request_id)
     return KVStats(

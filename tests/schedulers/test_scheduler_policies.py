@@ -3,6 +3,10 @@ prefill's budget and decode fairness; prefill-first; batch constraints; the swap
 
 from __future__ import annotations
 
+import random
+from functools import partial
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from reference import mlx_lm_tokens
@@ -10,6 +14,7 @@ from support import build_with_policy, random_prompts
 
 import harness  # noqa: F401  (BLAS switch before mlx)
 from allocators.free_list import FreeListAllocator
+from harness.engine.builder import build_engine
 from harness.engine.kv_cache import KVArena
 from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams
@@ -17,6 +22,8 @@ from schedulers.chunked_prefill import ChunkedPrefillScheduler
 from schedulers.fcfs import FCFSScheduler
 from schedulers.priority import PriorityScheduler
 from schedulers.request import Status
+
+PROFILE = Path(__file__).resolve().parents[2] / "results/baselines/profile-llama-tiny.json"
 
 
 def greedy(n: int) -> SamplingParams:
@@ -76,6 +83,49 @@ def test_aging_lets_an_old_low_priority_request_go_first():
 
     assert order(0.0) == ["new", "old"]
     assert order(1.0) == ["old", "new"]  # effective 5 - 10 beats 0 - 0 after 10 s of waiting
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_head_of_the_line_is_the_queues_sorted_by_rank_at_every_step(model, mode):
+    """The policy keeps its incoming order as the queues change (not sorted every step):
+    after every step of a churning replay (tied arrivals and priorities, n > 1 forks that
+    wait first in line, preemptions by recompute or swap, aborts), the request it brings in
+    next is the first of swapped + waiting stably sorted by rank."""
+    rng = random.Random(mode)
+    engine = build_engine(
+        model,
+        partial(FreeListAllocator),
+        partial(PriorityScheduler, preemption_mode=mode, swap_blocks=64, max_num_seqs=4),
+        block_size=16,
+        num_blocks=6,
+        max_model_len=64,
+        clock="model",
+        profile=str(PROFILE),
+    )
+    sched, added, checked, swapped = engine.scheduler, 0, 0, 0
+    for step in range(300):
+        if rng.random() < 0.4 and added < 50:
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 30), n=rng.choice([1, 1, 3]), ignore_eos=True
+            )
+            tokens = [rng.randrange(1, 200) for _ in range(rng.randrange(1, 24))]
+            arrival = rng.choice([0.0, step / 100])
+            engine.add_request(
+                f"r{added}", tokens, params, arrival_time=arrival, priority=rng.choice([0, 1])
+            )
+            added += 1
+        if rng.random() < 0.03 and added:
+            engine.abort_request(f"r{rng.randrange(added)}")
+        if engine.has_unfinished_requests():
+            engine.step()
+            swapped += bool(sched.swapped)
+            queued = sorted(sched.swapped + list(sched.waiting), key=sched.rank)
+            head = next((s for s in queued if s not in sched.parked), None)
+            assert sched.next_incoming() is head, step
+            checked += head is not None
+    assert checked > 100  # steps with someone in line
+    assert engine.recorder.step_columns()["preempted"].sum() > 0
+    assert (swapped > 0) == (mode == "swap")
 
 
 @pytest.mark.parametrize("victim, expected", [("priority", "low"), ("fcfs", "mid")])

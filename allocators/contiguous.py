@@ -14,12 +14,15 @@ the highest one ever placed; every block past it is free, so the map grows with 
 
 from __future__ import annotations
 
+import re
 from abc import abstractmethod
 from collections import Counter
 from collections.abc import Iterable
 from typing import Literal
 
 from allocators.base import BlockAllocator, SeqState, blocks_for
+
+_FREE_RUNS = re.compile(rb"\x01+")  # runs of free blocks in ``ContiguousAllocator``'s map
 
 
 class RegionState(SeqState):
@@ -302,6 +305,13 @@ class ContiguousAllocator(RegionAllocator):
 
     def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
         size = self._region_blocks(num_tokens, seq_id)
-        runs = [len(run) for run in self._is_free.split(b"\x00")]
-        runs[-1] += self.num_blocks - len(self._is_free)  # the last run goes on past the map
+        free = self._is_free
+        # The free runs alone, found in C (a split at every held block made a list as long
+        # as the arena's held blocks, every step the recorder asks).
+        runs = list(map(len, _FREE_RUNS.findall(free)))
+        past = self.num_blocks - len(free)  # free blocks past the map
+        if free.endswith(b"\x01"):
+            runs[-1] += past  # the last run goes on past the map
+        else:
+            runs.append(past)
         return sum(run for run in runs if run < size)

@@ -20,8 +20,8 @@ def kv_stats(scheduler: Scheduler) -> KVStats:
     running = tuple(scheduler.running)
     holdings = alloc.holdings(list(map(_REQUEST_ID, running)))
     unusable = 0
-    # Only an allocator whose free blocks can be unusable asks for the head of the line (a
-    # priority policy sorts its whole queue to name it).
+    # Only an allocator whose free blocks can be unusable needs the head of the line (for any
+    # other the answer is 0, whoever it is: no queue is read).
     fragments = type(alloc).unusable_free_blocks is not BlockAllocator.unusable_free_blocks
     if fragments and (head := scheduler.next_incoming()) is not None:
         need = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens

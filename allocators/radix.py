@@ -176,6 +176,8 @@ class RadixAllocator(FreeListAllocator):
         self._children: dict[bytes, _Node] = {}  # node.key -> node, for every node
         # A key: its parent's uid (``_UID``), then its tokens as int32 (``_id_bytes``)
         self._unpack = struct.Struct(f"=q{block_size}i").unpack
+        # A key body's blocks, cut in C (a slice a block in the loop cost 25 % more)
+        self._bodies = struct.Struct(f"{4 * block_size}s").iter_unpack
         self._stores: list[TierStore[_Node] | None] | None = None  # per tier; None: no tiers
         if kv_tier is not None and kv_tier.enabled:
             self._init_tiers(kv_tier, worth_loading)
@@ -264,9 +266,8 @@ class RadixAllocator(FreeListAllocator):
         bs, children = self.block_size, self._children
         end = max(len(token_ids) - 1, 0) // bs * bs
         parent, path = self._root.uid, []
-        body, width = _id_bytes(token_ids, 0, end), 4 * bs
-        for at in range(0, len(body), width):
-            node = children.get(_UID(parent) + body[at : at + width])  # the block's key
+        for (block,) in self._bodies(_id_bytes(token_ids, 0, end)):
+            node = children.get(_UID(parent) + block)  # the block's key
             if node is None:
                 break
             path.append(node)
@@ -344,11 +345,9 @@ class RadixAllocator(FreeListAllocator):
         self._clock = now = self._clock + 1
         bs, children = self.block_size, self._children
         start, uid, tiered = i * bs, self._uid, self._stores is not None
-        body, width, at = _id_bytes(token_ids, start, full * bs), 4 * bs, 0
         known = len(nodes)  # blocks the block map covers
-        while i < full:
-            block, key = table[i], _UID(node.uid) + body[at : at + width]
-            at += width
+        for (body,) in self._bodies(_id_bytes(token_ids, start, full * bs)):  # blocks i..full-1
+            block, key = table[i], _UID(node.uid) + body
             child, mine = children.get(key), nodes[block] if block < known else None
             if child is None and mine is None:  # the common case: index the block
                 child = children[key] = _Node(key, block, node, now, uid if tiered else block)

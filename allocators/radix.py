@@ -176,7 +176,7 @@ class RadixAllocator(FreeListAllocator):
         self._children: dict[bytes, _Node] = {}  # node.key -> node, for every node
         # A key: its parent's uid (``_UID``), then its tokens as int32 (``_id_bytes``)
         self._unpack = struct.Struct(f"=q{block_size}i").unpack
-        # A key body's blocks, cut in C (a slice a block in the loop cost 25 % more)
+        # A key body's blocks, cut in C (a slice a block in the loop: 0.55 against 0.42 us)
         self._bodies = struct.Struct(f"{4 * block_size}s").iter_unpack
         self._stores: list[TierStore[_Node] | None] | None = None  # per tier; None: no tiers
         if kv_tier is not None and kv_tier.enabled:

@@ -266,8 +266,8 @@ class RadixAllocator(FreeListAllocator):
         bs, children = self.block_size, self._children
         end = max(len(token_ids) - 1, 0) // bs * bs
         parent, path = self._root.uid, []
-        for (block,) in self._bodies(_id_bytes(token_ids, 0, end)):
-            node = children.get(_UID(parent) + block)  # the block's key
+        for (body,) in self._bodies(_id_bytes(token_ids, 0, end)):
+            node = children.get(_UID(parent) + body)  # the block's key
             if node is None:
                 break
             path.append(node)

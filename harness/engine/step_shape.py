@@ -16,6 +16,7 @@ pass over the weights, so rows share one unless padding them together costs more
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -63,7 +64,8 @@ def group_rows(queries: Sequence[int], contexts: Sequence[int], key_cost: float)
     if n < _VECTOR_MIN:
         if n and min(queries) == max(queries):  # one length (decodes): by context alone
             order = sorted(range(n), key=contexts.__getitem__)  # stable: ties by index
-            return _greedy_one_length(queries[0], map(contexts.__getitem__, order), order, key_cost)
+            rows = zip(repeat(queries[0]), map(contexts.__getitem__, order), order)
+            return _greedy(rows, key_cost)
         return _greedy(sorted(zip(queries, contexts, range(n), strict=True)), key_cost)
     q = np.asarray(queries, dtype=np.int64)
     c = np.asarray(contexts, dtype=np.int64)
@@ -135,30 +137,6 @@ def _greedy(
         group = [i]
         groups.append(group)
         c, here = ci, GROUP_COST + q * (1.0 + ci * key_cost)
-    return groups
-
-
-def _greedy_one_length(
-    q: int, contexts: Iterable[int], rows: Iterable[int], key_cost: float
-) -> list[list[int]]:
-    """``_greedy`` over rows all of length ``q``, ``contexts`` ascending (``rows`` their
-    indices): a joining row's context is its group's longest, so each row's scale ``1.0 +
-    ci * key_cost`` is the one both of ``_greedy``'s costs read, taken once (the same
-    floats: the same groups)."""
-    groups: list[list[int]] = []
-    group: list[int] = []
-    here = 0.0
-    for ci, i in zip(contexts, rows, strict=True):
-        scale = 1.0 + ci * key_cost
-        if group:
-            joined = GROUP_COST + (len(group) + 1) * q * scale
-            if joined <= here + (GROUP_COST + q * scale):
-                group.append(i)
-                here = joined
-                continue
-        group = [i]
-        groups.append(group)
-        here = GROUP_COST + q * scale
     return groups
 
 

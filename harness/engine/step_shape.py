@@ -16,7 +16,8 @@ pass over the weights, so rows share one unless padding them together costs more
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import repeat
+from itertools import islice, repeat
+from operator import mul, sub
 from typing import NamedTuple
 
 import numpy as np
@@ -64,8 +65,10 @@ def group_rows(queries: Sequence[int], contexts: Sequence[int], key_cost: float)
     if n < _VECTOR_MIN:
         if n and min(queries) == max(queries):  # one length (decodes): by context alone
             order = sorted(range(n), key=contexts.__getitem__)  # stable: ties by index
-            rows = zip(repeat(queries[0]), map(contexts.__getitem__, order), order)
-            return _greedy(rows, key_cost)
+            ascending = list(map(contexts.__getitem__, order))
+            if _one_group(queries[0], ascending, key_cost):
+                return [order]
+            return _greedy(zip(repeat(queries[0]), ascending, order), key_cost)
         return _greedy(sorted(zip(queries, contexts, range(n), strict=True)), key_cost)
     q = np.asarray(queries, dtype=np.int64)
     c = np.asarray(contexts, dtype=np.int64)
@@ -85,6 +88,23 @@ def group_rows(queries: Sequence[int], contexts: Sequence[int], key_cost: float)
 
 
 _VECTOR_MIN = 96  # rows of one length from which numpy finds their groups faster
+# The share of GROUP_COST that ``_one_group``'s slack must exceed: ~1e-6 of it, where the
+# loop's float rounding is ~1e-12 (costs of at most ~1e6 tokens, a few ulp each).
+_MARGIN = 1.0 - 1e-6
+
+
+def _one_group(q: int, contexts: list[int], key_cost: float) -> bool:
+    """Whether ``_greedy`` puts rows of one length ``q`` (``contexts`` ascending) in one
+    group, found without its loop (a decode step's rows, most often one group).
+
+    In one group, row j joins the j rows before it when the joined group costs no more than
+    the group before it plus the row alone: ``GROUP_COST + (j+1)q(1 + c_j k) <= GROUP_COST +
+    jq(1 + c_{j-1} k) + GROUP_COST + q(1 + c_j k)``, i.e. ``j q k (c_j - c_{j-1}) <=
+    GROUP_COST``. So all join when the largest ``j (c_j - c_{j-1})`` passes, by a margin
+    (``_MARGIN``) far above the loop's rounding: then the loop's own float test passes too.
+    Else the loop decides (a row may start a group)."""
+    steps = map(mul, map(sub, islice(contexts, 1, None), contexts), range(1, len(contexts)))
+    return max(steps, default=0) * q * key_cost < GROUP_COST * _MARGIN
 _VECTOR_GROUPS = 4  # groups numpy finds before the loop takes over (each costs a pass)
 
 

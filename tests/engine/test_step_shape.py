@@ -122,6 +122,19 @@ def test_short_steps_of_one_length_group_as_the_rule_says():
     assert 30 < splits < 270  # both kinds of step were tried
 
 
+def test_decode_rows_on_the_edge_of_joining_group_as_the_rule_says():
+    """A row joins the j rows before it (one length q, contexts ascending) when
+    j q key (c_j - c_(j-1)) <= GROUP_COST. With key 1/1024, q 1 and j 2 the edge is a gap of
+    8192 tokens: 8191 joins (15.998), 8193 starts a group (16.002), and 8192 is the edge
+    itself, where the rule's floats decide. All three group as the rule says."""
+    for gap, joins in ((8191, True), (8192, None), (8193, False)):
+        contexts = [100, 110, 110 + gap]
+        expected = _rule([1] * 3, contexts, KEY)
+        assert group_rows([1] * 3, contexts, KEY) == expected, gap
+        if joins is not None:
+            assert expected == ([[0, 1, 2]] if joins else [[0, 1], [2]]), gap
+
+
 def test_a_runner_that_verifies_nothing_draws_the_same_tokens_ahead():
     """Steps of 1 to 3,000 sampling rows (past one draw ahead of 4,096): a runner built to
     verify nothing hands out the tokens the per-step draws give, and refuses a verification."""

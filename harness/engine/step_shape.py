@@ -105,6 +105,8 @@ def _one_group(q: int, contexts: list[int], key_cost: float) -> bool:
     Else the loop decides (a row may start a group)."""
     steps = map(mul, map(sub, islice(contexts, 1, None), contexts), range(1, len(contexts)))
     return max(steps, default=0) * q * key_cost < GROUP_COST * _MARGIN
+
+
 _VECTOR_GROUPS = 4  # groups numpy finds before the loop takes over (each costs a pass)
 
 

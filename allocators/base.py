@@ -1,4 +1,4 @@
-"""The block-allocator contract (version 2) and the bookkeeping every allocator shares.
+"""The block-allocator contract (version 3) and the bookkeeping every allocator shares.
 
 An allocator hands out fixed-size KV blocks (``block_size`` token slots each) to
 sequences, keyed by ``seq_id``. The base class owns everything that does not
@@ -17,10 +17,9 @@ what the blocks in use need, not with the arena. ``check`` and ``dump`` stay O(a
 The hot path. A decode grows a sequence by one token per step; ``allocate`` answers
 that in O(1) from the sequence's *write limit* (the slots it can fill without a new
 block or a copy) and returns the shared ``NO_COPIES`` constant, allocating nothing.
-``block_table`` returns the live table, not a copy, and ``holdings`` each table's version,
-which changes with it (a reader finds the few changed tables of a step by comparing one
-integer each, not whole tables). ``stats`` reads counters kept up
-to date by every call. ``allocate_many`` grows a step's running sequences in one call
+``block_table`` returns the live table, not a copy. ``stats`` reads counters kept up
+to date by every call, the tables' entries and distinct blocks among them (a reader of a
+step's sharing counts no table). ``allocate_many`` grows a step's running sequences in one call
 (those crossing a block boundary take their blocks there), exactly as ``allocate`` one by
 one would, up to the first request it cannot meet, which ends the call.
 
@@ -73,20 +72,17 @@ NO_COPIES = Allocation()  # returned whenever nothing is copied: no object per c
 
 class Holdings(NamedTuple):
     """A batch's memory as ``holdings`` reads it: per sequence, in order, its token slots
-    allocated, the slots of the blocks it holds, its live block table and that table's
-    version (``SeqState.version``); one list each, so that a step's reader sums or compares
-    a column without a Python object per sequence. The recorder keeps ``held_slots`` for up
-    to 64 steps: an override builds fresh lists on every call, never one it changes later."""
+    allocated and the slots of the blocks it holds; one list each, so that a step's reader
+    sums a column without a Python object per sequence. The recorder keeps ``held_slots``
+    for up to 64 steps: an override builds fresh lists on every call, never one it changes
+    later."""
 
     num_tokens: list[int]
     held_slots: list[int]
-    tables: list[list[int]]
-    versions: list[int]
 
 
 _TABLE = attrgetter("table")
 _NUM_TOKENS = attrgetter("num_tokens")
-_VERSION = attrgetter("version")
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -102,18 +98,16 @@ def _check_count(name: str, value: object, minimum: int) -> int:
 
 class SeqState:
     """What an allocator keeps per sequence. ``limit`` is the slot count the sequence
-    can grow to without a new block or a copy (its write limit): the fast path.
-    ``version`` changes whenever ``table`` may have (``BlockAllocator._changed``), to a
-    value no table of this allocator had before: a reader that kept a table's version
-    knows it is unchanged by one integer comparison (0: never changed, still empty)."""
+    can grow to without a new block or a copy (its write limit): the fast path. ``refs``:
+    the entries of ``table`` in the allocator's count (``BlockAllocator._changed``)."""
 
-    __slots__ = ("table", "num_tokens", "limit", "version")
+    __slots__ = ("table", "num_tokens", "limit", "refs")
 
     def __init__(self) -> None:
         self.table: list[int] = []
         self.num_tokens = 0
         self.limit = 0
-        self.version = 0
+        self.refs = 0
 
 
 class BlockAllocator(ABC):
@@ -144,7 +138,7 @@ class BlockAllocator(ABC):
         self._prefix_queries = self._prefix_query_tokens = self._prefix_hit_tokens = 0
         self._evictions = self._cow_copies = self._relocations = 0
         self._relocated_blocks = self._fork_copies = 0
-        self._version = 0  # the last table version handed out (``_changed``)
+        self._table_refs = 0  # entries of all tables (``_changed``)
 
     # -- the contract ----------------------------------------------------------------
 
@@ -313,6 +307,7 @@ class BlockAllocator(ABC):
             return 0
         used = self._used
         self._token_slots -= s.num_tokens
+        self._table_refs -= s.refs
         self._free_seq(s)
         return used - self._used
 
@@ -359,19 +354,16 @@ class BlockAllocator(ABC):
         return [s.table for s in self._states(seq_ids)]
 
     def holdings(self, seq_ids: Iterable[str]) -> Holdings:
-        """``num_tokens``, ``held_slots``, ``block_table`` and its version of each sequence,
-        in order, in one call (the tables live, as ``block_table``'s): a step's memory
-        snapshot of its batch, as four columns."""
+        """``num_tokens`` and ``held_slots`` of each sequence, in order, in one call: a
+        step's memory snapshot of its batch, as two columns."""
         bs = self.block_size
         states = self._states(seq_ids)
-        tables = list(map(_TABLE, states))
         if type(self)._held_count is BlockAllocator._held_count:  # it holds its table
-            held = list(map(mul, map(len, tables), repeat(bs)))
+            held = list(map(mul, map(len, map(_TABLE, states)), repeat(bs)))
         else:
             count = self._held_count
             held = [count(s) * bs for s in states]
-        versions = list(map(_VERSION, states))
-        return Holdings(list(map(_NUM_TOKENS, states)), held, tables, versions)
+        return Holdings(list(map(_NUM_TOKENS, states)), held)
 
     def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
         """Free blocks that cannot serve a new sequence of ``num_tokens`` slots: those in
@@ -399,6 +391,9 @@ class BlockAllocator(ABC):
             relocations=self._relocations,
             relocated_blocks=self._relocated_blocks,
             fork_copies=self._fork_copies,
+            num_seqs=len(self._seqs),
+            table_refs=self._table_refs,
+            table_blocks=self._table_blocks(),
         )
 
     def check(self) -> None:
@@ -426,6 +421,9 @@ class BlockAllocator(ABC):
         assert self.num_free_blocks() == len(free) + len(cached), "num_free_blocks() is off"
         assert self._num_cached_blocks() == len(cached), "cached count is off"
         assert self._token_slots == sum(s.num_tokens for s in self._seqs.values())
+        tables = [s.table for s in self._seqs.values()]
+        assert self._table_refs == sum(map(len, tables)), "table entries count is off"
+        assert self._table_blocks() == len(set().union(*tables)), "distinct table blocks off"
         fill = self._fill()
         assert self._token_slots - self._shared_slots == sum(fill.values()), "used slots off"
         for seq_id, s in self._seqs.items():
@@ -506,9 +504,16 @@ class BlockAllocator(ABC):
         """``can_allocate`` for a known sequence growing past its write limit."""
 
     def _changed(self, s: SeqState) -> None:
-        """``s``'s table changed, or may have: it takes the next version."""
-        self._version += 1
-        s.version = self._version
+        """``s``'s table changed, or may have: the tables' entries count it anew (called
+        after each change; ``free`` takes a sequence's out)."""
+        n = len(s.table)
+        self._table_refs += n - s.refs
+        s.refs = n
+
+    def _table_blocks(self) -> int:
+        """The distinct blocks the tables point at: the held ones, for an allocator whose
+        every held block is in a table (paged: its reference counts are its table entries)."""
+        return self._used
 
     def _new_state(self, seq_id: str | None) -> SeqState:
         """The state of a sequence not known yet (``None``: one without an id)."""

@@ -176,6 +176,9 @@ class RegionAllocator(BlockAllocator):
     def _needs_copy(self, block: int) -> bool:
         return False  # regions are never shared: a fork copies
 
+    def _table_blocks(self) -> int:
+        return self._table_refs  # no two tables share a block; a region's slack is in none
+
     def _ref_counts(self) -> Counter[int]:
         return Counter(b for s in self._seqs.values() for b in self._held_blocks(s))
 

@@ -15,6 +15,9 @@ class AllocatorStats(NamedTuple):
     Slots: ``reserved_slots`` = ``used_blocks * block_size``; ``used_slots`` counts
     the token slots sequences asked for, a block shared by several sequences once
     (its holders always agree on its fill: a shared block is copied before a write).
+    Tables: its ``num_seqs`` sequences' block tables hold ``table_refs`` entries in all,
+    which point at ``table_blocks`` distinct blocks (fewer where tables share a block:
+    forks, prefix hits; a region's slack is in no table).
     Counters (``prefix_*``, ``evictions``, ``cow_copies``, ``relocations``,
     ``relocated_blocks``, ``fork_copies``) are cumulative.
     """
@@ -34,6 +37,9 @@ class AllocatorStats(NamedTuple):
     relocations: int
     relocated_blocks: int
     fork_copies: int
+    num_seqs: int
+    table_refs: int
+    table_blocks: int
 
     @property
     def hit_rate(self) -> float:

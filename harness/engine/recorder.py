@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping
-from itertools import chain, compress, repeat
-from operator import attrgetter, itemgetter, ne, sub
+from itertools import chain, repeat
+from operator import attrgetter, itemgetter, sub
 
 import mlx.core as mx
 import numpy as np
@@ -118,8 +118,7 @@ class Recorder:
         # Each allocation (a sequence from admission to release) is a holding, numbered in
         # the order it started; ``_live`` maps (sequence, preemptions) to the live ones.
         self._live: dict[tuple[Seq, int], int] = {}
-        self._tables: list[list[int] | None] = []  # a holding's table as last counted
-        self._versions: list[int] = []  # ... and its version then (-1: not counted yet)
+        self._num_holdings = 0
         # One entry per running sequence per step, as flat columns: its holding, the step,
         # its held slots and the slots written by the step's end. A holding's entries are
         # read once, when it ends (_settle), and dropped at the next compaction.
@@ -128,11 +127,6 @@ class Recorder:
         # totals are the same whenever they settle, so they settle ``_SETTLE_BATCH`` at a
         # time, one pass over the entries for them all).
         self._ended: list[int] = []
-        # How many running tables hold each block (its keys: the distinct blocks), kept up
-        # to date as tables change rather than recounted every step (a plain dict: a
-        # Counter's update counts in C, but every other access of a dict subclass is slower,
-        # 381 against 125 us to count and uncount 1,000 blocks).
-        self._holders: dict[int, int] = {}
         # The step before's running set, its preemption counts and holdings (a list the
         # entries keep, never changed).
         self._last_running: tuple[Seq, ...] = ()
@@ -173,7 +167,7 @@ class Recorder:
         """``columns`` with the live allocations' ``slots_future`` settled as of now."""
         future, internal = columns["slots_future"], columns["slots_internal"]
         live = list(self._live.values())
-        _settle(self._entries.of(live, len(self._tables)), future, internal, self._num_steps)
+        _settle(self._entries.of(live, self._num_holdings), future, internal, self._num_steps)
         return columns
 
     @property
@@ -257,8 +251,7 @@ class Recorder:
         fed, new, fed_total = _rows(plan, proposed, running)
         index = self._num_steps  # this step's row
         holdings = stats.holdings
-        tables = holdings.tables
-        live, counted = self._live, self._tables
+        live = self._live
         written: list[int] = []  # slots written by the step's end
         preempts: list[int] = []
         decodes = 0
@@ -272,26 +265,14 @@ class Recorder:
             if f == 1 and computed == len(seq.token_ids) - 1 and computed >= seq.num_prompt_tokens:
                 decodes += 1
         ids = self._holding_ids(running, preempts)
-        # Each table's version against the one last counted, compared in C; most steps
-        # only the few that crossed into a new block changed.
-        versions, seen = holdings.versions, self._versions
-        for i in compress(range(len(ids)), map(ne, map(seen.__getitem__, ids), versions)):
-            holding, table = ids[i], tables[i]
-            counted[holding] = _count_table(self._holders, counted[holding], table)
-            seen[holding] = versions[i]
         self._entries.add(ids, index, holdings.held_slots, written)
         unwritten = sum(holdings.num_tokens) - sum(written)  # allocated, not written by the end
-        refs = sum(map(len, tables))  # table entries: a block once per table that holds it
-        # Allocations live at the previous step and not now have ended: their tables
-        # uncount, and their slots settle (in the order they started).
+        # Allocations live at the previous step and not now have ended: their slots settle
+        # (in the order they started).
         if len(live) > len(running):  # some ended (every running one is live)
             current = set(zip(running, preempts, strict=True))
             ended = [key for key in live if key not in current]
-            gone = [live.pop(key) for key in ended]
-            for holding in gone:
-                _uncount(self._holders, counted[holding])
-                counted[holding] = None
-            self._ended += gone
+            self._ended += [live.pop(key) for key in ended]
             if len(self._ended) >= _SETTLE_BATCH:
                 self._settle_ended()
         tokens = blocks.used_slots - unwritten
@@ -300,6 +281,14 @@ class Recorder:
         unusable = stats.unusable_free_blocks
         bs = blocks.block_size
         prefill = fed_total - decodes
+        # The sharing of the running tables, the allocator's count: its sequences are the
+        # running ones (the scheduler allocates on admission and frees on leaving).
+        if blocks.num_seqs != len(running):
+            raise RuntimeError(
+                f"the allocator holds {blocks.num_seqs} sequences and {len(running)} run: the "
+                "scheduler must free a sequence's blocks when it stops running"
+            )
+        refs = blocks.table_refs  # table entries: a block once per table that holds it
         return dict(
             prefill_tokens=prefill,
             decode_tokens=sum(new) - prefill,
@@ -310,7 +299,7 @@ class Recorder:
             blocks_free=blocks.free_blocks,
             blocks_cached=blocks.cached_blocks,
             block_refs=refs,
-            blocks_shared=refs - len(self._holders),
+            blocks_shared=refs - blocks.table_blocks,
             slots_tokens=tokens,
             slots_future=0,  # completed as the allocations live now end (_settle)
             slots_internal=blocks.reserved_slots - tokens,
@@ -328,15 +317,14 @@ class Recorder:
         the same preemption counts, reuses its list (most steps)."""
         if running == self._last_running and preempts == self._last_preempts:
             return self._last_ids
-        live, counted = self._live, self._tables
+        live = self._live
         keys = list(zip(running, preempts, strict=True))
         ids = list(map(live.get, keys))
         if None in ids:
             for i, key in enumerate(keys):
                 if ids[i] is None:  # an allocation that starts now
-                    ids[i] = live[key] = len(counted)
-                    counted.append([])
-                    self._versions.append(-1)
+                    ids[i] = live[key] = self._num_holdings
+                    self._num_holdings += 1
         self._last_running, self._last_preempts, self._last_ids = running, preempts, ids
         return ids
 
@@ -347,7 +335,7 @@ class Recorder:
             return
         future = np.frombuffer(self._future, dtype=np.int64)
         internal = np.frombuffer(self._internal, dtype=np.int64)
-        count = len(self._tables)
+        count = self._num_holdings
         try:
             _settle(self._entries.of(self._ended, count), future, internal, self._num_steps)
         finally:  # the columns grow again next step: no view may outlive this, even a raise
@@ -576,32 +564,6 @@ def _settle(entries: np.ndarray, future, internal, num_steps: int) -> None:
     moved = np.minimum(fills, internal[at])
     future[at] += moved
     internal[at] -= moved
-
-
-def _count_table(holders: dict[int, int], counted: list[int], table: list[int]) -> list[int]:
-    """Recount a table that changed since it was last counted (``counted``: the recorder's
-    copy of it then): a table that only grew (a decode into a new block, a chunk) adds its
-    new blocks, and ``counted`` grows by them in place; any other change (copy-on-write,
-    relocation, trim) recounts it whole from a new copy. Returns the copy counted now."""
-    n = len(counted)
-    if n and table[:n] == counted:
-        added = table[n:]
-        counted += added
-    else:
-        _uncount(holders, counted)
-        added = counted = table.copy()
-    for block in added:
-        holders[block] = holders.get(block, 0) + 1
-    return counted
-
-
-def _uncount(holders: dict[int, int], table: list[int]) -> None:
-    for block in table:
-        left = holders[block] - 1
-        if left:
-            holders[block] = left
-        else:
-            del holders[block]
 
 
 def _or_nan(x: float | None) -> float:

@@ -1,4 +1,4 @@
-"""The allocator contract (docs/design.md section 4, version 2), checked for every allocator."""
+"""The allocator contract (docs/design.md section 4, version 3), checked for every allocator."""
 
 from __future__ import annotations
 
@@ -121,32 +121,38 @@ def test_a_batch_read_is_each_sequences_own(make, kind: str) -> None:
     assert got.num_tokens == [alloc.num_tokens(s) for s in ("c", "a", "b")] == [1, 5, 1]
     assert got.held_slots == [alloc.held_slots(s) for s in ("c", "a", "b")]
     assert got.held_slots[1] >= 8  # a region may hold slack beyond 2 blocks
-    assert all(t is alloc.block_table(s) for s, t in zip("cab", got.tables, strict=True))
     tables = alloc.block_tables(["b", "a"])
     assert tables[0] is alloc.block_table("b") and tables[1] is alloc.block_table("a")
-    assert alloc.holdings([]) == ([], [], [], []) and alloc.block_tables([]) == []
+    assert alloc.holdings([]) == ([], []) and alloc.block_tables([]) == []
 
 
-def test_a_tables_version_changes_with_it_and_only_then(make) -> None:
-    # holdings' versions: growth within the last block keeps it; a new block, a trim and a
-    # fork's new table each take a version no table had before.
+def test_stats_count_the_tables_entries_and_their_distinct_blocks(make, kind: str) -> None:
+    # a: 5 slots in 2 blocks of 4; b: 1 slot in 1 block; c, b's fork, shares b's block where
+    # the allocator shares (paged) and copies it where it cannot (regions). 4 table entries;
+    # 3 distinct blocks shared, 4 copied. Growth within a block, a new block, a trim and a
+    # free each move the counts with the tables.
     alloc = make()
 
-    def version(seq: str) -> int:
-        return alloc.holdings([seq]).versions[0]
+    def counts() -> tuple[int, int, int]:
+        s = alloc.stats()
+        return s.num_seqs, s.table_refs, s.table_blocks
 
-    alloc.allocate("a", 1)
-    first = version("a")
-    alloc.allocate("a", 4)  # within its one block of 4
-    assert version("a") == first and len(alloc.block_table("a")) == 1
-    alloc.allocate("a", 5)  # a second block
-    grown = version("a")
-    assert grown > first
-    alloc.allocate("b", 2)
-    assert alloc.fork("a", "c") is not None
-    assert len({grown, version("b"), version("c")}) == 3
-    alloc.trim("a", 4)  # its second block goes
-    assert version("a") > max(grown, version("b"), version("c"))
+    assert counts() == (0, 0, 0)
+    alloc.allocate("a", 5)
+    alloc.allocate("b", 1)
+    assert alloc.fork("b", "c") is not None
+    shared = alloc.block_table("c") == alloc.block_table("b")
+    assert counts() == (3, 4, 3 if shared else 4)
+    assert shared == (kind in PAGED)
+    alloc.allocate("a", 8)  # within its 2 blocks
+    assert counts() == (3, 4, 3 if shared else 4)
+    alloc.allocate("a", 9)  # a third block
+    assert counts() == (3, 5, 4 if shared else 5)
+    alloc.trim("a", 4)  # down to 1 block
+    assert counts() == (3, 3, 2 if shared else 3)
+    alloc.free("b")
+    assert counts() == (2, 2, 2)
+    alloc.check()
 
 
 def test_bad_counts_are_rejected(make) -> None:

@@ -14,8 +14,8 @@ It also holds the allocator to its forecasts: before every ``allocate`` it asks
 ``trim`` must raise exactly when the model sees the new end cut into a block another
 table shares or the prefix cache indexes. ``allocate_many`` must give the results, and
 leave the state, of the same requests passed to ``allocate`` one by one on a copy of
-the allocator (a differential check). A table whose version (``holdings``) is unchanged
-since the last check must be unchanged too.
+the allocator (a differential check). ``stats`` counts the tables' entries and distinct
+blocks as the model's tables have them.
 
 For the radix allocator the model keeps its own prefix index (full-block token prefix
 -> block): ``commit`` adds to it, a block that shows up new in a table was evicted (or
@@ -71,7 +71,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.index: dict[tuple[int, ...], int] = {}  # cached full-block prefix -> block
         self.prompts: list[list[int]] = []  # token lists committed so far
         self.next_id = 0
-        self.versions: dict[str, tuple[int, list[int]]] = {}  # table and version last checked
 
     # -- the engine's side ------------------------------------------------------------
 
@@ -336,22 +335,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert stats.cached_blocks == len(unheld), f"cached {stats.cached_blocks} != {unheld}"
 
     @invariant()
-    def versions_follow_tables(self) -> None:
-        """A table whose version is the one seen at the last check is the table seen then;
-        a table never changed is empty; live tables' versions differ (a change takes one no
-        table had)."""
-        live = list(self.tokens)
-        got = self.alloc.holdings(live)
-        seen = {}
-        for seq, table, version in zip(live, got.tables, got.versions, strict=True):
-            assert version or not table, f"{seq} holds {table} at version 0"
-            before = self.versions.get(seq)
-            if before is not None and before[0] == version:
-                assert before[1] == table, f"{seq}: {before[1]} became {table} at {version}"
-            seen[seq] = (version, list(table))
-        changed = [v for v in got.versions if v]
-        assert len(set(changed)) == len(changed), f"versions {got.versions}"
-        self.versions = seen
+    def stats_count_the_tables(self) -> None:
+        """``stats``' sequences, table entries and distinct blocks are the live tables'."""
+        tables = self.alloc.block_tables(list(self.tokens))
+        stats = self.alloc.stats()
+        assert stats.num_seqs == len(tables), f"{stats.num_seqs} sequences, {len(tables)} live"
+        assert stats.table_refs == sum(map(len, tables)), f"table entries {stats.table_refs}"
+        assert stats.table_blocks == len(set().union(*tables)), f"blocks {stats.table_blocks}"
 
     @invariant()
     def placement_forecasts(self) -> None:

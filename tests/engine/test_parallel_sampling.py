@@ -151,10 +151,10 @@ def test_unfinished_requests_count_requests_not_completions(model, prompt):
 
 
 @pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda c: c.__name__)
-def test_blocks_shared_counted_as_tables_change_equals_a_union_of_every_table(
+def test_blocks_shared_read_off_the_allocator_equals_a_union_of_the_running_tables(
     model, prompt, allocator
 ):
-    # The recorder counts the running tables' distinct blocks incrementally; forks,
+    # The recorder reads the running tables' sharing off the allocator's counts; forks,
     # copy-on-write, preemption in a small arena and re-admission change tables in every
     # way, and each step must still agree with the definition: refs minus the distinct
     # blocks of all running tables.
@@ -163,7 +163,7 @@ def test_blocks_shared_counted_as_tables_change_equals_a_union_of_every_table(
     snapshot = e.recorder.snapshot
 
     def checked(stats, plan, proposed):
-        tables = stats.holdings.tables
+        tables = e.allocator.block_tables([s.request_id for s in stats.running])
         refs = sum(len(t) for t in tables)
         expected.append((refs, refs - len(set().union(*tables))))
         return snapshot(stats, plan, proposed)

@@ -27,12 +27,14 @@ def _seq(name: str, tokens: int, computed: int) -> Seq:
     return seq
 
 
-def _blocks(used_blocks: int, used_slots: int) -> AllocatorStats:
+def _blocks(used_blocks: int, used_slots: int, tables: list[list[int]]) -> AllocatorStats:
+    """An arena of 8 blocks of 4 whose sequences hold ``tables``."""
     return AllocatorStats(
         num_blocks=8, block_size=4, used_blocks=used_blocks, free_blocks=8 - used_blocks,
         cached_blocks=0, reserved_slots=4 * used_blocks, used_slots=used_slots,
         prefix_queries=0, prefix_query_tokens=0, prefix_hit_tokens=0, evictions=0,
-        cow_copies=0, relocations=0, relocated_blocks=0, fork_copies=0,
+        cow_copies=0, relocations=0, relocated_blocks=0, fork_copies=0, num_seqs=len(tables),
+        table_refs=sum(map(len, tables)), table_blocks=len(set().union(*tables)),
     )  # fmt: skip
 
 
@@ -53,9 +55,9 @@ def _prefill_then_decode(recorder: Recorder) -> Seq:
     """A 3-token prompt in 1 block of 4 (step 0: tokens 3, internal 1), then one decode
     (step 1: 4 written); the sequence, still running."""
     a = _seq("a", 3, 0)
-    _step(recorder, [a], Holdings([3], [4], [[0]], [1]), _blocks(1, 3), [Scheduled(a, 3, True)])
+    _step(recorder, [a], Holdings([3], [4]), _blocks(1, 3, [[0]]), [Scheduled(a, 3, True)])
     a.token_ids, a.num_computed_tokens = list(range(4)), 3
-    _step(recorder, [a], Holdings([4], [4], [[0]], [1]), _blocks(1, 4), [Scheduled(a, 1, True)])
+    _step(recorder, [a], Holdings([4], [4]), _blocks(1, 4, [[0]]), [Scheduled(a, 1, True)])
     return a
 
 
@@ -64,15 +66,15 @@ def test_forks_sharing_a_partial_block_settle_it_once_in_the_order_they_started(
     # step 0: a and b (3-token prompts, forked) share block 0 holding 3 slots; each holds 4
     # slots and has written 3. Arena: 1 block, 4 slots, 3 used: tokens 3, internal 1.
     a, b = _seq("a", 3, 3), _seq("b", 3, 3)
-    _step(recorder, [a, b], Holdings([3, 3], [4, 4], [[0], [0]], [1, 2]), _blocks(1, 3), [])
+    _step(recorder, [a, b], Holdings([3, 3], [4, 4]), _blocks(1, 3, [[0], [0]]), [])
     # step 1: each decodes its 4th token into a block of its own (b copied on write):
     # a's table [0], b's [1]; 2 blocks, 8 slots, 8 used after the writes: internal 0.
     a.token_ids, b.token_ids = list(range(4)), list(range(4))
     rows = [Scheduled(a, 1, True), Scheduled(b, 1, True)]
-    _step(recorder, [b, a], Holdings([4, 4], [4, 4], [[1], [0]], [3, 1]), _blocks(2, 8), rows[::-1])
+    _step(recorder, [b, a], Holdings([4, 4], [4, 4]), _blocks(2, 8, [[1], [0]]), rows[::-1])
     # step 2: both have ended. Each went on to fill 4 slots: at step 0 each had 1 more to
     # fill, but the step had 1 unfilled slot: a (started first) takes it, b finds none.
-    _step(recorder, [], Holdings([], [], [], []), _blocks(0, 0), [])
+    _step(recorder, [], Holdings([], []), _blocks(0, 0, []), [])
     columns = recorder.step_columns()
     assert columns["slots_tokens"].tolist() == [3, 8, 0]
     assert columns["slots_future"].tolist() == [1, 0, 0]
@@ -103,9 +105,9 @@ def test_a_sequence_preempted_and_readmitted_between_two_steps_starts_a_new_allo
     # future; the new one recomputes its 3 prompt tokens and its 1 output token into block 1.
     recorder = Recorder(measured=False)
     a = _seq("a", 3, 0)
-    _step(recorder, [a], Holdings([3], [4], [[0]], [1]), _blocks(1, 3), [Scheduled(a, 3, True)])
+    _step(recorder, [a], Holdings([3], [4]), _blocks(1, 3, [[0]]), [Scheduled(a, 3, True)])
     a.token_ids, a.num_computed_tokens, a.preemptions = list(range(4)), 0, 1
-    _step(recorder, [a], Holdings([4], [4], [[1]], [2]), _blocks(1, 4), [Scheduled(a, 4, True)])
+    _step(recorder, [a], Holdings([4], [4]), _blocks(1, 4, [[1]]), [Scheduled(a, 4, True)])
     columns = recorder.step_columns()
     assert columns["prefill_tokens"].tolist() == [3, 4]
     assert columns["slots_tokens"].tolist() == [3, 4]
@@ -130,7 +132,7 @@ def test_a_runs_end_takes_the_step_columns_uncopied_and_no_step_is_recorded_afte
     with pytest.raises(RuntimeError, match="taken"):
         recorder.step_columns()
     with pytest.raises(RuntimeError, match="taken"):
-        _step(recorder, [a], Holdings([4], [4], [[0]], [1]), _blocks(1, 4), [])
+        _step(recorder, [a], Holdings([4], [4]), _blocks(1, 4, [[0]]), [])
     with pytest.raises(RuntimeError, match="taken"):  # nor a row without a snapshot
         recorder.step(SchedulerOutput(), {}, 0.0, 1.0, 0.0, 0.0, work=StepWork())
 
@@ -141,7 +143,7 @@ def test_a_column_is_kept_as_one_value_until_its_first_other_value():
     # recorded, and one that held a single value takes no memory a step.
     recorder = Recorder(measured=False)
     a = _seq("a", 3, 3)
-    stats = _stats([a], Holdings([3], [4], [[0]], [1]), _blocks(1, 3))
+    stats = _stats([a], Holdings([3], [4]), _blocks(1, 3, [[0]]))
     plan = SchedulerOutput(scheduled=[])
     for i in range(3000):
         row = recorder.snapshot(stats, plan, {})

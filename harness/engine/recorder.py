@@ -118,7 +118,7 @@ class Recorder:
         # Each allocation (a sequence from admission to release) is a holding, numbered in
         # the order it started; ``_live`` maps (sequence, preemptions) to the live ones.
         self._live: dict[tuple[Seq, int], int] = {}
-        self._num_holdings = 0
+        self._num_holdings = 0  # holdings numbered so far
         # One entry per running sequence per step, as flat columns: its holding, the step,
         # its held slots and the slots written by the step's end. A holding's entries are
         # read once, when it ends (_settle), and dropped at the next compaction.

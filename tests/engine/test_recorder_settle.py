@@ -156,3 +156,13 @@ def test_a_column_is_kept_as_one_value_until_its_first_other_value():
     assert columns["duration"].strides == (0,)  # one value, repeated without memory
     assert columns["step"].tolist() == list(range(3000))
     assert list(columns) == list(STEP_SCHEMA)
+
+
+def test_a_snapshot_whose_allocator_holds_other_sequences_than_the_running_raises():
+    # The running tables' sharing is the allocator's count only while its sequences are the
+    # running ones: one it still holds after its sequence stopped running is a scheduler bug.
+    recorder = Recorder(measured=False)
+    a = _seq("a", 3, 3)
+    stats = _stats([a], Holdings([3], [4]), _blocks(2, 6, [[0], [1]]))
+    with pytest.raises(RuntimeError, match="holds 2 sequences and 1 run"):
+        recorder.snapshot(stats, SchedulerOutput(scheduled=[]), {})

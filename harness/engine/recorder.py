@@ -551,16 +551,21 @@ def _settle(entries: np.ndarray, future, internal, num_steps: int) -> None:
     holding, step, held, written = entries
     if not len(holding):
         return
-    order = np.argsort(holding, kind="stable")  # by holding, each in step order
-    holding, step, held, written = holding[order], step[order], held[order], written[order]
-    last = np.flatnonzero(np.diff(holding)).tolist() + [len(holding) - 1]  # each one's last
-    counts = np.diff([-1, *last])
-    fills = np.minimum(held, np.repeat(written[last], counts)) - written
+    # Each holding's last entry (they come in step order: its highest index), so its final
+    # written slots; no sort (a stable argsort of 20k entries took 0.95 ms, this 0.04).
+    lo = int(holding.min())
+    last = np.zeros(int(holding.max()) - lo + 1, dtype=np.int64)
+    np.maximum.at(last, holding - lo, np.arange(len(holding)))
+    fills = np.minimum(held, written[last[holding - lo]]) - written
     keep = (fills > 0) & (step < num_steps)
     at, fills = step[keep], fills[keep]
-    if len(at) > 1:  # steps with more than one holding's fill: summed first
-        at, where = np.unique(at, return_inverse=True)
-        fills = np.bincount(where, weights=fills).astype(np.int64)
+    if not len(at):
+        return
+    first = int(at.min())  # the steps' fills summed (exact: int sums far below 2^53)
+    summed = np.bincount(at - first, weights=fills)
+    at = np.flatnonzero(summed)
+    fills = summed[at].astype(np.int64)
+    at += first
     moved = np.minimum(fills, internal[at])
     future[at] += moved
     internal[at] -= moved

@@ -72,8 +72,6 @@ from allocators.free_list import FreeListAllocator
 from allocators.tier_store import TierStore
 from allocators.tiers import TIERS, KVTier, Tier, TierMove
 
-_UID = struct.Struct("=q").pack  # a key's head: its parent's uid
-
 
 def _id_bytes(token_ids: Sequence[int], start: int, end: int) -> bytes:
     """Ids ``start`` to ``end`` of ``token_ids`` as int32 bytes, a block's key body every
@@ -174,7 +172,10 @@ class RadixAllocator(FreeListAllocator):
         # bytes a block up to the highest indexed one (a dict entry costs ~40), grown by use.
         self._nodes: list[_Node | None] = []
         self._children: dict[bytes, _Node] = {}  # node.key -> node, for every node
-        # A key: its parent's uid (``_UID``), then its tokens as int32 (``_id_bytes``)
+        # A key: its parent's uid, then its tokens as int32 (``_id_bytes``), packed from the
+        # uid and a block's body in one call (a pack of the uid, then a concatenation: 118
+        # against 61 ns)
+        self._key = struct.Struct(f"=q{4 * block_size}s").pack
         self._unpack = struct.Struct(f"=q{block_size}i").unpack
         # A key body's blocks, cut in C (a slice a block in the loop: 0.55 against 0.42 us)
         self._bodies = struct.Struct(f"{4 * block_size}s").iter_unpack
@@ -263,11 +264,11 @@ class RadixAllocator(FreeListAllocator):
     def _path(self, token_ids: Sequence[int]) -> list[_Node]:
         """The cached nodes spelling the longest prefix of ``token_ids`` that leaves at
         least the last token to compute (so the engine gets its logits)."""
-        bs, children = self.block_size, self._children
+        bs, children, key = self.block_size, self._children, self._key
         end = max(len(token_ids) - 1, 0) // bs * bs
         parent, path = self._root.uid, []
         for (body,) in self._bodies(_id_bytes(token_ids, 0, end)):
-            node = children.get(_UID(parent) + body)  # the block's key
+            node = children.get(key(parent, body))  # the block's key
             if node is None:
                 break
             path.append(node)
@@ -343,11 +344,11 @@ class RadixAllocator(FreeListAllocator):
             return
         node = nodes[table[i - 1]] if i else self._root
         self._clock = now = self._clock + 1
-        bs, children = self.block_size, self._children
+        bs, children, pack = self.block_size, self._children, self._key
         start, uid, tiered = i * bs, self._uid, self._stores is not None
         known = len(nodes)  # blocks the block map covers
         for (body,) in self._bodies(_id_bytes(token_ids, start, full * bs)):  # blocks i..full-1
-            block, key = table[i], _UID(node.uid) + body
+            block, key = table[i], pack(node.uid, body)
             child, mine = children.get(key), nodes[block] if block < known else None
             if child is None and mine is None:  # the common case: index the block
                 child = children[key] = _Node(key, block, node, now, uid if tiered else block)

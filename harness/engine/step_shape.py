@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import islice, repeat
-from operator import mul, sub
+from operator import lt, mul, sub
 from typing import NamedTuple
 
 import numpy as np
@@ -100,11 +100,11 @@ def _one_group(q: int, contexts: list[int], key_cost: float) -> bool:
     In one group, row j joins the j rows before it when the joined group costs no more than
     the group before it plus the row alone: ``GROUP_COST + (j+1)q(1 + c_j k) <= GROUP_COST +
     jq(1 + c_{j-1} k) + GROUP_COST + q(1 + c_j k)``, i.e. ``j q k (c_j - c_{j-1}) <=
-    GROUP_COST``. So all join when the largest ``j (c_j - c_{j-1})`` passes, by a margin
+    GROUP_COST``. So all join when every ``j (c_j - c_{j-1})`` passes, by a margin
     (``_MARGIN``) far above the loop's rounding: then the loop's own float test passes too.
-    Else the loop decides (a row may start a group)."""
+    Else (found at the first that does not) the loop decides (a row may start a group)."""
     steps = map(mul, map(sub, islice(contexts, 1, None), contexts), range(1, len(contexts)))
-    return max(steps, default=0) * q * key_cost < GROUP_COST * _MARGIN
+    return all(map(lt, steps, repeat(GROUP_COST * _MARGIN / (q * key_cost))))  # stops at a split
 
 
 _VECTOR_GROUPS = 4  # groups numpy finds before the loop takes over (each costs a pass)

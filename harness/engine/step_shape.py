@@ -88,8 +88,9 @@ def group_rows(queries: Sequence[int], contexts: Sequence[int], key_cost: float)
 
 
 _VECTOR_MIN = 96  # rows of one length from which numpy finds their groups faster
-# The share of GROUP_COST that ``_one_group``'s slack must exceed: ~1e-6 of it, where the
-# loop's float rounding is ~1e-12 (costs of at most ~1e6 tokens, a few ulp each).
+_VECTOR_GROUPS = 4  # groups numpy finds before the loop takes over (each costs a pass)
+# ``_one_group``'s test passes with a slack of 1e-6 x GROUP_COST (16e-6 tokens) to spare,
+# ~30x the loop's float rounding on costs below 1e9 tokens (a few ulp of 1.2e-7 each).
 _MARGIN = 1.0 - 1e-6
 
 
@@ -105,9 +106,6 @@ def _one_group(q: int, contexts: list[int], key_cost: float) -> bool:
     Else (found at the first that does not) the loop decides (a row may start a group)."""
     steps = map(mul, map(sub, islice(contexts, 1, None), contexts), range(1, len(contexts)))
     return all(map(lt, steps, repeat(GROUP_COST * _MARGIN / (q * key_cost))))  # stops at a split
-
-
-_VECTOR_GROUPS = 4  # groups numpy finds before the loop takes over (each costs a pass)
 
 
 def _equal_queries(

@@ -58,7 +58,7 @@ from harness.engine.intake import OutputCutWarning, cut
 from harness.engine.sampling_params import SamplingParams, SamplingParamsError
 from harness.platform import machine, noise
 from harness.platform.collector import collector_paused
-from harness.workload.traces import Trace, max_prefix_hit_rate
+from harness.workload.traces import Trace, prefix_hit_bounds
 
 log = logging.getLogger(__name__)
 
@@ -182,12 +182,13 @@ def run(
     summary = summarize(requests, steps, clock=engine.clock.name)
     probes += noise.probe() if engine.clock.measures else []
     block_size = engine.allocator.block_size
+    # over the prompts as sent: a follow-up turn's holds the turns and answers before it
+    bound, bound_blocks = prefix_hit_bounds(sent.requests, block_size, sent.answers)
     summary.update(
         wall_time=wall_time,
         num_requests=len(trace),
-        # over the prompts as sent: a follow-up turn's holds the turns and answers before it
-        max_prefix_hit_rate=max_prefix_hit_rate(sent.requests, answers=sent.answers),
-        max_prefix_hit_rate_blocks=max_prefix_hit_rate(sent.requests, block_size, sent.answers),
+        max_prefix_hit_rate=bound,
+        max_prefix_hit_rate_blocks=bound_blocks,
     )
     summary.update(
         reachable_hits_recovered=reachable_hits_recovered(summary),

@@ -140,13 +140,26 @@ def max_prefix_hit_rate(
     generated) adds an earlier request's prompt and answer as one more sequence a later
     prompt can share: a follow-up turn's prompt holds the turn before and its answer, whose
     KV a cache that keeps generated tokens (radix) holds. Returns hits / total prompt tokens
-    (0.0 for an empty trace).
+    (0.0 for an empty trace). ``prefix_hit_bounds`` gives it in tokens and in whole blocks
+    from one pass.
+    """
+    return prefix_hit_bounds(requests, block_size or 1, answers)[block_size is not None]
+
+
+def prefix_hit_bounds(
+    requests: Iterable[TraceRequest],
+    block_size: int,
+    answers: Mapping[str, tuple[int, ...]] | None = None,
+) -> tuple[float, float]:
+    """``max_prefix_hit_rate`` in tokens and in whole blocks of ``block_size``, from one pass.
 
     Among a set of sequences, the one sharing the longest prefix with a prompt is a neighbour
-    of it in sorted order. So the sequences are sorted once, and each prompt is compared with
-    the nearest earlier sequence on either side of it in that order (``_nearest_earlier``):
-    O(n log n) comparisons and no memory beyond the prompts, where a token trie took a dict
-    per token (~10^8 of them for 100,000 prompts of 1,000 tokens).
+    of it in sorted order, and two sequences share the least common prefix of the neighbours
+    between them. So the sequences are sorted once, each compared with the next alone, and
+    each prompt takes the longer prefix it shares with the nearest earlier sequence on either
+    side of it in that order (``_shared_with_earlier``): n - 1 comparisons, O(n log n) in all,
+    and no memory beyond the prompts, where a token trie took a dict per token (~10^8 of them
+    for 100,000 prompts of 1,000 tokens).
     """
     reqs = list(requests)
     answers = answers or {}
@@ -156,32 +169,42 @@ def max_prefix_hit_rate(
         if answers.get(r.request_id):
             seqs[2 * i + 1] = token_array([*r.prompt_token_ids, *answers[r.request_id]])
     order = sorted(seqs, key=seqs.__getitem__)  # stable: ties by arrival
-    before = _nearest_earlier(order)
-    after = _nearest_earlier(order[::-1])[::-1]
-    hits = 0
-    for i, left, right in zip(order, before, after, strict=True):
+    ordered = list(map(seqs.__getitem__, order))
+    next_to = list(map(_common_prefix, ordered, ordered[1:]))  # neighbours in sorted order
+    before = _shared_with_earlier(order, next_to)
+    after = _shared_with_earlier(order[::-1], next_to[::-1])[::-1]
+    hits = blocks = 0
+    for i, ids, left, right in zip(order, ordered, before, after, strict=True):
         if i % 2:
             continue  # a prompt and answer is only ever shared, never looked up
-        ids = seqs[i]
-        near = [seqs[j] for j in (left, right) if j is not None]
-        common = max((_common_prefix(ids, other) for other in near), default=0)
-        hit = min(common, len(ids) - 1)
-        hits += hit - hit % block_size if block_size else hit
+        hit = min(max(left, right), len(ids) - 1)
+        hits += hit
+        blocks += hit - hit % block_size
     total = sum(len(r.prompt_token_ids) for r in reqs)
-    return hits / total if total else 0.0
+    return (hits / total, blocks / total) if total else (0.0, 0.0)
 
 
-def _nearest_earlier(order: list[int]) -> list[int | None]:
-    """For each position of ``order`` (request indices), the nearest index to its left that
-    is smaller (an earlier request), or None: a stack of indices, increasing upwards."""
-    stack: list[int] = []
-    out: list[int | None] = []
-    for i in order:
-        while stack and stack[-1] > i:
-            stack.pop()
-        out.append(stack[-1] if stack else None)
-        stack.append(i)
+def _shared_with_earlier(order: list[int], next_to: list[int]) -> list[int]:
+    """For each position of ``order`` (sequence indices, sorted by their tokens), the prefix
+    it shares with the nearest earlier sequence to its left (a smaller index), 0 if none;
+    ``next_to[k]``: the prefix shared by positions k and k + 1. A stack of indices, increasing
+    upwards, each with the prefix it shares with the one above it (the top: with the current
+    position): the least of ``next_to`` between them."""
+    stack: list[list[int]] = []  # [index, prefix shared with the entry above / the current]
+    out: list[int] = []
+    for k, i in enumerate(order):
+        if stack:
+            stack[-1][1] = min(stack[-1][1], next_to[k - 1])
+        while stack and stack[-1][0] > i:
+            shared = stack.pop()[1]
+            if stack:
+                stack[-1][1] = min(stack[-1][1], shared)
+        out.append(stack[-1][1] if stack else 0)
+        stack.append([i, _UNBOUNDED])
     return out
+
+
+_UNBOUNDED = 1 << 62  # a position shares all of itself with itself
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

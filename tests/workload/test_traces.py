@@ -32,6 +32,7 @@ from harness.workload.traces import (
     from_file,
     load,
     max_prefix_hit_rate,
+    prefix_hit_bounds,
     save,
     token_array,
     token_arrays,
@@ -168,6 +169,16 @@ def test_max_prefix_hit_rate_by_hand():
     assert max_prefix_hit_rate(reqs) == 6 / 13
     assert max_prefix_hit_rate(reqs, block_size=2) == 4 / 13
     assert max_prefix_hit_rate([]) == 0.0
+
+
+def test_prefix_hit_bounds_by_hand_past_a_later_prompt_between():
+    """A later prompt sorts between a prompt and the earlier one it shares most with: the
+    shared prefix is the least of the neighbours' between them."""
+    reqs = [_req(0, (1, 1, 1, 1)), _req(1, (1, 1, 5)), _req(2, (1, 1, 1, 2))]
+    # sorted: r0, r2, r1. r1 shares (1, 1) with r0 (r2 between, later); r2 shares (1, 1, 1)
+    # with r0. Hits 0, 2 (capped at len-1 = 2), 3; in blocks of 2: 0, 2, 2; of 11 tokens.
+    assert prefix_hit_bounds(reqs, 2) == (5 / 11, 4 / 11)
+    assert prefix_hit_bounds([], 2) == (0.0, 0.0)
 
 
 def test_shared_prefix_hit_rate_matches_hand_computation():

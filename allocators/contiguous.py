@@ -14,15 +14,12 @@ the highest one ever placed; every block past it is free, so the map grows with 
 
 from __future__ import annotations
 
-import re
 from abc import abstractmethod
 from collections import Counter
 from collections.abc import Iterable
 from typing import Literal
 
 from allocators.base import BlockAllocator, SeqState, blocks_for
-
-_FREE_RUNS = re.compile(rb"\x01+")  # runs of free blocks in ``ContiguousAllocator``'s map
 
 
 class RegionState(SeqState):
@@ -308,13 +305,21 @@ class ContiguousAllocator(RegionAllocator):
 
     def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
         size = self._region_blocks(num_tokens, seq_id)
-        free = self._is_free
-        # The free runs alone, found in C (a split at every held block made a list as long
-        # as the arena's held blocks, every step the recorder asks).
-        runs = list(map(len, _FREE_RUNS.findall(free)))
-        past = self.num_blocks - len(free)  # free blocks past the map
-        if free.endswith(b"\x01"):
-            runs[-1] += past  # the last run goes on past the map
-        else:
-            runs.append(past)
-        return sum(run for run in runs if run < size)
+        if not size:
+            return 0  # no region needed: every free block will do
+        free, past = self._is_free, self.num_blocks - len(self._is_free)  # past the map: free
+        # Every free block but those in runs of ``size`` or more, found in C: the long runs
+        # (a few) by their first ``size`` blocks, each to its end. (A list of every run,
+        # made every step the recorder asks, cost as many objects as a fragmented map has
+        # holes.)
+        usable, at, run = 0, 0, b"\x01" * size
+        while (start := free.find(run, at)) >= 0:
+            at = free.find(0, start)
+            if at < 0:  # it runs on past the map
+                usable += len(free) - start + past
+                break
+            usable += at - start
+        else:  # the run the map ends with (short in it), and the blocks past it
+            tail = len(free) - free.rfind(0) - 1 + past
+            usable += tail if tail >= size else 0
+        return free.count(1) + past - usable

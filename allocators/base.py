@@ -1,4 +1,4 @@
-"""The block-allocator contract (version 3) and the bookkeeping every allocator shares.
+"""The block-allocator contract (version 4) and the bookkeeping every allocator shares.
 
 An allocator hands out fixed-size KV blocks (``block_size`` token slots each) to
 sequences, keyed by ``seq_id``. The base class owns everything that does not
@@ -126,6 +126,9 @@ class BlockAllocator(ABC):
     # (it loads a lower tier's hits into the arena, evicting to make room), so a caller
     # checks that a request fits before it looks its prefix up.
     has_lower_tiers: bool = False
+    # Free blocks can be unusable (regions: a run or buddy too small for a request), so
+    # ``unusable_free_blocks`` depends on who asks; False, it is 0 for anyone.
+    fragments_free_space: bool = False
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = _check_count("num_blocks", num_blocks, 1)

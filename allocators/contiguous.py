@@ -44,6 +44,7 @@ class RegionAllocator(BlockAllocator):
     """
 
     _State = RegionState
+    fragments_free_space = True
 
     # -- placement, written by subclasses ----------------------------------------------
 

@@ -24,7 +24,7 @@ from allocators.base import BlockAllocator
 from schedulers.kv_groups import DraftKV
 from schedulers.output import INFLIGHT, SchedulerOutput
 from schedulers.request import Request, Status
-from schedulers.stopping import Stopping
+from schedulers.stopping import Stopping, stop_length
 
 Stop = tuple[str, object]  # (finish reason, stop reason)
 OWN_TOKENS = "i"  # a running sequence's token_ids: an int32 array (radix keys are its bytes)
@@ -171,8 +171,7 @@ class Progress:
 
     def at_length(self, seq: Request) -> bool:
         """``seq`` stops on its last token whatever it is (max_tokens, the length limit)."""
-        n = len(seq.token_ids)
-        return n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= self.max_seq_len
+        return len(seq.token_ids) >= stop_length(seq, self.max_seq_len)
 
     def keep(self, request_id: str) -> None:
         """The engine saves ``request_id``'s KV when it stops (save_kv)."""

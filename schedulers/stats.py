@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from allocators.base import BlockAllocator
 from schedulers.base import Scheduler
 from schedulers.output import KVStats
 from schedulers.request import Status
@@ -22,8 +21,7 @@ def kv_stats(scheduler: Scheduler) -> KVStats:
     unusable = 0
     # Only an allocator whose free blocks can be unusable needs the head of the line (for any
     # other the answer is 0, whoever it is: no queue is read).
-    fragments = type(alloc).unusable_free_blocks is not BlockAllocator.unusable_free_blocks
-    if fragments and (head := scheduler.next_incoming()) is not None:
+    if alloc.fragments_free_space and (head := scheduler.next_incoming()) is not None:
         need = head.num_computed_tokens if head.status is Status.SWAPPED else head.num_tokens
         unusable = alloc.unusable_free_blocks(need, head.request_id)
     return KVStats(

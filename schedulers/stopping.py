@@ -34,7 +34,7 @@ class Stopping:
             return 0
         if p.stop and self.detokenize is not None:
             return 0
-        return min(seq.num_prompt_tokens + p.max_tokens, max_seq_len)
+        return stop_length(seq, max_seq_len)
 
     def check(self, seq: Request, token: int, max_seq_len: int) -> tuple[str | None, object]:
         """(finish reason, stop reason) of ``seq`` whose last token, just appended, is
@@ -51,6 +51,12 @@ class Stopping:
                 for s in p.stop:
                     if s in text:
                         return "stop", s
-        if n - seq.num_prompt_tokens >= p.max_tokens or n >= max_seq_len:
+        if n >= stop_length(seq, max_seq_len):
             return "length", None
         return None, None
+
+
+def stop_length(seq: Request, max_seq_len: int) -> int:
+    """The token count at which ``seq`` stops with "length", whatever its last token: its
+    prompt and ``max_tokens`` outputs, or ``max_seq_len``."""
+    return min(seq.num_prompt_tokens + seq.params.max_tokens, max_seq_len)

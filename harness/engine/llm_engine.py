@@ -329,8 +329,7 @@ class LLMEngine:
                 self.host.forget(seq.request_id)
                 if window is not None:
                     window.drop(seq.request_id)
-                if self.requests.streams:  # else none streamed (a replay): nothing to drop
-                    self.outputs.forget(seq)
+                self.outputs.forget(seq)
                 self.requests.remove(seq)
                 group = beams.get(seq.group_id)
                 if group is None and seq.finish_reason is not None:

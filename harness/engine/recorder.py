@@ -267,8 +267,8 @@ class Recorder:
         ids = self._holding_ids(running, preempts)
         self._entries.add(ids, index, holdings.held_slots, written)
         unwritten = sum(holdings.num_tokens) - sum(written)  # allocated, not written by the end
-        # Allocations live at the previous step and not now have ended: their slots settle
-        # (in the order they started).
+        # Allocations live at the previous step and not now have ended: they settle
+        # ``_SETTLE_BATCH`` at a time (``_settle``: in any order, the same columns).
         if len(live) > len(running):  # some ended (every running one is live)
             current = set(zip(running, preempts, strict=True))
             ended = [key for key in live if key not in current]
@@ -449,7 +449,9 @@ class _Columns:
         for i, (values, code) in enumerate(columns):
             column = arrays[i]
             if column is None:
-                value = constants[i] if count else values[0]
+                # The first value as its column stores it: a wrong type raises here, as an
+                # array's append would, not once the column first changes
+                value = constants[i] if count else array(code, values[:1])[0]
                 if values.count(value) == len(values):  # still that one value
                     constants[i] = value
                     continue

@@ -103,7 +103,10 @@ def _one_group(q: int, contexts: list[int], key_cost: float) -> bool:
     jq(1 + c_{j-1} k) + GROUP_COST + q(1 + c_j k)``, i.e. ``j q k (c_j - c_{j-1}) <=
     GROUP_COST``. So all join when every ``j (c_j - c_{j-1})`` passes, by a margin
     (``_MARGIN``) far above the loop's rounding: then the loop's own float test passes too.
-    Else (found at the first that does not) the loop decides (a row may start a group)."""
+    Else (found at the first that does not) the loop decides (a row may start a group).
+    Rows of no work (``q`` or ``key_cost`` 0) all join, as in the loop."""
+    if not q * key_cost:
+        return True
     steps = map(mul, map(sub, islice(contexts, 1, None), contexts), range(1, len(contexts)))
     return all(map(lt, steps, repeat(GROUP_COST * _MARGIN / (q * key_cost))))  # stops at a split
 

@@ -348,6 +348,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         """For a new sequence, a region fits iff some free block is not in a too-small run."""
         alloc = self.alloc
         assert not alloc.can_allocate("new", alloc.max_seq_tokens + 1)
+        assert alloc.fragments_free_space is not self.paged  # regions leave unusable holes
         for n in range(1, alloc.num_blocks + 1):
             unusable = alloc.unusable_free_blocks(n * BLOCK_SIZE)
             if self.paged:

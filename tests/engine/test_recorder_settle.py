@@ -166,3 +166,15 @@ def test_a_snapshot_whose_allocator_holds_other_sequences_than_the_running_raise
     stats = _stats([a], Holdings([3], [4]), _blocks(2, 6, [[0], [1]]))
     with pytest.raises(RuntimeError, match="holds 2 sequences and 1 run"):
         recorder.snapshot(stats, SchedulerOutput(scheduled=[]), {})
+
+
+def test_a_float_in_an_integer_column_raises_even_while_the_column_is_constant():
+    """A column keeps one value until it changes (no array); that value is checked as its
+    array would check it: a float work count is an error, not a truncated integer."""
+    recorder = Recorder(measured=False)
+    plan = SchedulerOutput()
+    row = recorder.snapshot(_stats([], Holdings([], []), _blocks(0, 0, [])), plan, {})
+    for _ in range(3):  # the same float every step: the column never changes
+        recorder.step(plan, row, 0.0, 1.0, 0.0, 0.0, work=StepWork(batch_size=2.5))
+    with pytest.raises(TypeError):
+        recorder.step_columns()

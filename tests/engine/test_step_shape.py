@@ -135,6 +135,13 @@ def test_decode_rows_on_the_edge_of_joining_group_as_the_rule_says():
             assert expected == ([[0, 1, 2]] if joins else [[0, 1], [2]]), gap
 
 
+def test_keys_that_cost_nothing_put_every_row_of_a_length_in_one_group():
+    """With a key cost of 0 a row adds only its own tokens however long its context, never
+    more than a group of its own: every decode joins one group, as the loop's rule says."""
+    contexts = [5, 6, 100_000]
+    assert group_rows([1] * 3, contexts, 0.0) == _rule([1] * 3, contexts, 0.0) == [[0, 1, 2]]
+
+
 def test_a_runner_that_verifies_nothing_draws_the_same_tokens_ahead():
     """Steps of 1 to 3,000 sampling rows (past one draw ahead of 4,096): a runner built to
     verify nothing hands out the tokens the per-step draws give, and refuses a verification."""

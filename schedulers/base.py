@@ -562,10 +562,11 @@ class Scheduler(ABC):
         out.preempted.append((seq, Preemption.RECOMPUTE))
 
     # -- policy hooks --------------------------------------------------------------------
-    @abstractmethod
     def _waiting_order(self) -> Iterable[Request]:
-        """Admission order of the waiting queue (the queue itself when that is its order:
-        it is read lazily, and not changed while it is read)."""
+        """Admission order of the waiting queue: the queue itself, arrival order (read
+        lazily, and not changed while it is read). A policy that orders all its incoming
+        requests itself overrides ``_incoming_order`` instead."""
+        return self.waiting
 
     @abstractmethod
     def _victim(self, candidates: list[Request]) -> Request:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from allocators.base import BlockAllocator
 from schedulers.base import Scheduler
 from schedulers.request import Request
@@ -25,9 +23,6 @@ class FCFSScheduler(Scheduler):
             raise ValueError(f"scheduler.order={order!r}: use one of {list(ORDERS)}")
         super().__init__(allocator, **kwargs)
         self.prefill_first = order == "prefill_first"
-
-    def _waiting_order(self) -> Iterable[Request]:
-        return self.waiting
 
     def _victim(self, candidates: list[Request]) -> Request:
         return max(candidates, key=self.running.index)

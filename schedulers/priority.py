@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 from bisect import bisect_left, insort
+from operator import attrgetter
 
 from allocators.base import BlockAllocator
 from schedulers.admission import fits, never_fits
@@ -54,6 +55,9 @@ class PriorityScheduler(Scheduler):
         self.victim = victim
         self.aging_rate = aging_rate
         self.preempt_lower = preempt_lower
+        # ``rank`` as a sort key, in C without aging (then the rank is the (priority,
+        # arrival) pair itself): the running set is ranked every step, twice.
+        self._rank_key = attrgetter("priority", "arrival_time") if not aging_rate else self.rank
         # The incoming order (swapped, then waiting, stably sorted by rank), kept sorted as
         # the queues change instead of sorted every step (a saturated queue holds tens of
         # thousands, and ``_make_room`` reads its head every step): each queued sequence's
@@ -66,9 +70,6 @@ class PriorityScheduler(Scheduler):
     def rank(self, seq: Request) -> tuple[float, float]:
         """Sort key: smaller runs first (effective priority up to a shared constant)."""
         return seq.priority + self.aging_rate * seq.arrival_time, seq.arrival_time
-
-    def _waiting_order(self) -> list[Request]:
-        return sorted(self.waiting, key=self.rank)  # stable: equal keys keep queue order
 
     def _incoming_order(self) -> list[Request]:
         # Swapped first among equals; otherwise a swapped request waits its turn. (The
@@ -93,7 +94,7 @@ class PriorityScheduler(Scheduler):
     def _running_order(self) -> list[Request]:
         # The most important grow first, so the least important are still unscheduled (and
         # so can be victims) when blocks run out.
-        return sorted(self.running, key=self.rank)
+        return sorted(self.running, key=self._rank_key)
 
     def _victim(self, candidates: list[Request]) -> Request:
         latest = self.running.index
@@ -109,12 +110,11 @@ class PriorityScheduler(Scheduler):
         head = self.next_incoming()
         if not self.preempt_lower or head is None or not self.running:
             return
-        lower = sorted((s for s in self.running if self.rank(s) > self.rank(head)), key=self.rank)
-        if (
-            not lower
-            or never_fits(head, self.max_model_len, self.allocator)
-            or self._fits_by_count(head)
-        ):
+        rank, top = self._rank_key, self._rank_key(head)
+        if max(map(rank, self.running)) <= top:  # nobody ranks below the head (most steps)
+            return
+        lower = sorted((s for s in self.running if rank(s) > top), key=rank)
+        if never_fits(head, self.max_model_len, self.allocator) or self._fits_by_count(head):
             return
         # The fewest lowest-ranked victims after which the head comes in this step, found by
         # dry runs on a copy of the allocator; if all of them would not do, nobody goes.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 from bisect import bisect_left, insort
+from collections.abc import Callable
 from operator import attrgetter
 
 from allocators.base import BlockAllocator
@@ -55,9 +56,9 @@ class PriorityScheduler(Scheduler):
         self.victim = victim
         self.aging_rate = aging_rate
         self.preempt_lower = preempt_lower
-        # ``rank`` as a sort key, in C without aging (then the rank is the (priority,
-        # arrival) pair itself): the running set is ranked every step, twice.
-        self._rank_key = attrgetter("priority", "arrival_time") if not aging_rate else self.rank
+        # Without aging the rank is the (priority, arrival) pair itself, read in C: the
+        # running set is ranked every step, twice (``_rank_key``).
+        self._pair = attrgetter("priority", "arrival_time") if not aging_rate else None
         # The incoming order (swapped, then waiting, stably sorted by rank), kept sorted as
         # the queues change instead of sorted every step (a saturated queue holds tens of
         # thousands, and ``_make_room`` reads its head every step): each queued sequence's
@@ -70,6 +71,10 @@ class PriorityScheduler(Scheduler):
     def rank(self, seq: Request) -> tuple[float, float]:
         """Sort key: smaller runs first (effective priority up to a shared constant)."""
         return seq.priority + self.aging_rate * seq.arrival_time, seq.arrival_time
+
+    def _rank_key(self) -> Callable[[Request], tuple[float, float]]:
+        """``rank`` as a sort key (a bound method made per call: none kept, no cycle)."""
+        return self._pair or self.rank
 
     def _incoming_order(self) -> list[Request]:
         # Swapped first among equals; otherwise a swapped request waits its turn. (The
@@ -94,7 +99,7 @@ class PriorityScheduler(Scheduler):
     def _running_order(self) -> list[Request]:
         # The most important grow first, so the least important are still unscheduled (and
         # so can be victims) when blocks run out.
-        return sorted(self.running, key=self._rank_key)
+        return sorted(self.running, key=self._rank_key())
 
     def _victim(self, candidates: list[Request]) -> Request:
         latest = self.running.index
@@ -110,7 +115,8 @@ class PriorityScheduler(Scheduler):
         head = self.next_incoming()
         if not self.preempt_lower or head is None or not self.running:
             return
-        rank, top = self._rank_key, self._rank_key(head)
+        rank = self._rank_key()
+        top = rank(head)
         if max(map(rank, self.running)) <= top:  # nobody ranks below the head (most steps)
             return
         lower = sorted((s for s in self.running if rank(s) > top), key=rank)

@@ -143,7 +143,8 @@ def max_prefix_hit_rate(
     (0.0 for an empty trace). ``prefix_hit_bounds`` gives it in tokens and in whole blocks
     from one pass.
     """
-    return prefix_hit_bounds(requests, block_size or 1, answers)[block_size is not None]
+    tokens, blocks = prefix_hit_bounds(requests, block_size or 1, answers)
+    return blocks if block_size else tokens
 
 
 def prefix_hit_bounds(

@@ -18,7 +18,9 @@ per configuration, the wall time of the largest size over the one before (linear
 ratio). ``--against REF`` runs every cell a second time on the code of git commit ``REF`` (a
 temporary checkout: ``git archive``), on the same machine in the same run, beside this code
 cell by cell (REF first in every other cell: the order alone moved a ratio by 20-30 % here)
-so that both see the same load, and prints this code's CPU per sequence-step over REF's.
+so that both see the same load, and prints REF's wall time (a change outside the replay, such
+as the trace's build or the summary, shows there alone) and µs per sequence-step, and this
+code's CPU per sequence-step over REF's.
 
 ``--repeats K`` runs every cell (and its REF) K times, REF first in every other run of a
 cell too, and reports per cell the run of median CPU per sequence-step (the lower middle of
@@ -208,9 +210,10 @@ def checkout(ref: str, into: Path) -> Path:
 
 
 def format_cells(rows: list[dict]) -> str:
-    """One line per cell (a cell run ``--against`` a commit adds its µs per sequence-step
-    and this code's CPU per sequence-step over the commit's; one run at a ``--batches``
-    value, its max_num_seqs; cells run ``--repeats`` times, the runs and their CPU spread)."""
+    """One line per cell (a cell run ``--against`` a commit adds its wall time, its µs per
+    sequence-step and this code's CPU per sequence-step over the commit's; one run at a
+    ``--batches`` value, its max_num_seqs; cells run ``--repeats`` times, the runs and their
+    CPU spread)."""
     against = any("old" in r for r in rows)
     batched = any("batch" in r for r in rows)
     repeated = any(r["got"].get("runs", 1) > 1 for r in rows)
@@ -220,7 +223,7 @@ def format_cells(rows: list[dict]) -> str:
     if repeated:
         header += ["runs", "CPU spread"]
     if against:
-        header += ["REF µs/seq-step", "REF peak RSS MiB", "CPU/seq-step vs REF"]
+        header += ["REF wall s", "REF µs/seq-step", "REF peak RSS MiB", "CPU/seq-step vs REF"]
         header += ["REF CPU spread"] if repeated else []
     lines = []
     for r in rows:
@@ -240,10 +243,10 @@ def format_cells(rows: list[dict]) -> str:
         if against:
             old = r.get("old", {})
             if "error" in got or "error" in old or not old:
-                cells += [old.get("error", ""), "", "n/a"] + ([""] if repeated else [])
+                cells += [old.get("error", ""), "", "", "n/a"] + ([""] if repeated else [])
             else:
                 ratio = (got["cpu"] / got["seq_steps"]) / (old["cpu"] / old["seq_steps"])
-                cells += [f"{1e6 * old['replay'] / old['seq_steps']:.2f}",
+                cells += [f"{old['wall']:.1f}", f"{1e6 * old['replay'] / old['seq_steps']:.2f}",
                           f"{old['rss_mib']:.0f}", f"{ratio:.2f}x"]  # fmt: skip
                 cells += _runs(old)[1:] if repeated else []
         lines.append(cells)

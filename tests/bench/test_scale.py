@@ -50,8 +50,10 @@ def test_a_cell_run_against_a_commit_shows_both_and_the_cpu_ratio() -> None:
     old = new | {"cpu": 25.0, "replay": 20.0, "rss_mib": 700.0}
     row = _cell(10_000, 0, 0, 0) | {"got": new, "old": old}
     header, _, line = format_cells([row]).splitlines()
-    assert header.endswith("µs/seq-step  REF µs/seq-step  REF peak RSS MiB  CPU/seq-step vs REF")
-    assert line.split()[-5:] == ["12,500", "80.00", "200.00", "700", "0.40x"]
+    assert header.endswith(
+        "µs/seq-step  REF wall s  REF µs/seq-step  REF peak RSS MiB  CPU/seq-step vs REF"
+    )
+    assert line.split()[-6:] == ["12,500", "80.00", "12.0", "200.00", "700", "0.40x"]
 
 
 def test_against_an_unknown_commit_is_one_line(capsys) -> None:
@@ -147,9 +149,9 @@ def test_repeated_cells_show_their_runs_and_spreads() -> None:
     old = _run(25.0) | {"runs": 3, "cpu_spread": 0.05}
     row = _cell(10_000, 0, 0, 0) | {"got": new, "old": old}
     header, _, line = format_cells([row]).splitlines()
-    assert header.endswith("runs  CPU spread  REF µs/seq-step  REF peak RSS MiB  "
+    assert header.endswith("runs  CPU spread  REF wall s  REF µs/seq-step  REF peak RSS MiB  "
                            "CPU/seq-step vs REF  REF CPU spread")  # fmt: skip
-    assert line.split()[-6:] == ["3", "30%", "25.00", "300", "0.40x", "5%"]
+    assert line.split()[-7:] == ["3", "30%", "26.0", "25.00", "300", "0.40x", "5%"]
     with pytest.raises(SystemExit):
         main(["--repeats", "0", "--sizes", "10"])
 

@@ -39,10 +39,11 @@ class FreeListAllocator(BlockAllocator):
 
     def allocate_many(self, requests: Sequence[tuple[str, int]]) -> list[Allocation | None]:
         """``BlockAllocator.allocate_many``. A request that grows a known sequence with no
-        copy and no eviction takes its blocks here: never-used ones as the next ids of a run
-        the whole call shares, whose reference counts are set in one go, then recycled ones;
-        any other request goes through ``allocate`` in its turn (same blocks, same order),
-        and the first it cannot meet ends the call."""
+        copy takes its blocks here: never-used ones as the next ids of a run the whole call
+        shares, whose reference counts are set in one go, then recycled ones (a cache first
+        evicting into the free list what they lack, ``_evict_for``); any other request goes
+        through ``allocate`` in its turn (same blocks, same order), and the first it cannot
+        meet ends the call."""
         seqs, ref, bs, free = self._seqs, self._ref, self.block_size, self._free
         needs_copy, take = self._needs_copy, self._take_into
         top = len(ref)  # fresh blocks from len(ref) up to here are in tables, not yet held
@@ -62,9 +63,12 @@ class FreeListAllocator(BlockAllocator):
                     new = -(-num_tokens // bs) - len(table)
                     # Past the write limit, no copy: the last block is full, taken by this
                     # call (past ``ref``: its sequence's own) or read by nobody else.
-                    if new <= self.num_blocks - top + len(free) and (
+                    no_copy = (
                         not s.num_tokens % bs or table[-1] >= len(ref) or not needs_copy(table[-1])
-                    ):
+                    )
+                    if no_copy and new > self.num_blocks - top + len(free):
+                        top = self._evict_for(new, top)  # a full arena with a cache (radix)
+                    if no_copy and new <= self.num_blocks - top + len(free):
                         if new:
                             top = take(table, new, top)
                             self._changed(s)
@@ -85,6 +89,17 @@ class FreeListAllocator(BlockAllocator):
             self._token_slots += grown
             self._hold_fresh(top)
         return results
+
+    def _evict_for(self, count: int, top: int) -> int:
+        """``allocate_many``, short of free blocks for a request of ``count``: the fresh
+        blocks its loop took are held, then a cache evicts until the free list holds
+        ``count``, as ``allocate`` would when they can all be found (a full arena's growth,
+        one eviction a block boundary, without ``allocate``'s general path). Returns the
+        loop's new ``top``."""
+        self._hold_fresh(top)
+        if count <= self.num_free_blocks():
+            self._refill(count)
+        return len(self._ref)
 
     def _take_into(self, table: list[int], count: int, top: int) -> int:
         """Append ``count`` free blocks to ``table`` (there are as many without evicting):

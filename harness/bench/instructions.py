@@ -38,10 +38,6 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.bench.scale import checkout
-from harness.bench.support.components import options
-from harness.bench.support.tables import format_table
-
 PROG = "python -m harness.bench instructions"
 REPO = Path(__file__).resolve().parents[2]
 _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
@@ -108,6 +104,8 @@ def measure(sizes: tuple[int, int], runs: dict[tuple[str, int], dict]) -> dict:
 def format_rows(rows: list[dict], sizes: tuple[int, int]) -> str:
     """One line per cell: its instructions per sequence-step; against REF, REF's, the ratio,
     and whether both replays took the same sequence-steps."""
+    from harness.bench.support.tables import format_table
+
     against = any("old" in r for r in rows)
     header = ["trace", "allocator", "scheduler", f"seq-steps at {sizes[1]:,}", "instr/seq-step"]
     if against:
@@ -165,12 +163,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cell", help=argparse.SUPPRESS)  # the subprocess: one cell
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.cell:
-        from harness.bench.scale import main as scale_cell  # REF's, on its PYTHONPATH
+    if args.cell:  # this file drives REF's code too: only REF's ``scale`` cell is imported
+        from harness.bench.scale import main as scale_cell
 
         keep_hard_limits()
         scale_cell(["--cell", args.cell, "--num-blocks", str(args.num_blocks), "--out", args.out])
         return
+    from harness.bench.scale import checkout
+    from harness.bench.support.components import options
+
     try:
         small, big = sorted(int(s) for s in args.sizes.split(","))
     except ValueError:

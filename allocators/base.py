@@ -50,8 +50,6 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import attrgetter, mul
 from typing import NamedTuple
 
 from allocators.stats import AllocatorStats
@@ -79,10 +77,6 @@ class Holdings(NamedTuple):
 
     num_tokens: list[int]
     held_slots: list[int]
-
-
-_TABLE = attrgetter("table")
-_NUM_TOKENS = attrgetter("num_tokens")
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -362,11 +356,11 @@ class BlockAllocator(ABC):
         bs = self.block_size
         states = self._states(seq_ids)
         if type(self)._held_count is BlockAllocator._held_count:  # it holds its table
-            held = list(map(mul, map(len, map(_TABLE, states)), repeat(bs)))
+            held = [len(s.table) * bs for s in states]
         else:
             count = self._held_count
             held = [count(s) * bs for s in states]
-        return Holdings(list(map(_NUM_TOKENS, states)), held)
+        return Holdings([s.num_tokens for s in states], held)
 
     def unusable_free_blocks(self, num_tokens: int, seq_id: str | None = None) -> int:
         """Free blocks that cannot serve a new sequence of ``num_tokens`` slots: those in

@@ -38,7 +38,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, repeat
-from operator import attrgetter, sub
+from operator import attrgetter
 
 from allocators.base import NO_COPIES, Allocation, BlockAllocator, blocks_for
 from schedulers.admission import fits, never_fits, take_blocks, write_back
@@ -61,9 +61,6 @@ from schedulers.request import Request, Status
 from schedulers.stopping import Stopping
 from schedulers.swap_space import SwapSpace
 
-_TOKEN_IDS = attrgetter("token_ids")
-_COMPUTED = attrgetter("num_computed_tokens")
-_REQUEST_ID = attrgetter("request_id")
 _NUM_NEW = attrgetter("num_new_tokens")
 
 
@@ -397,9 +394,12 @@ class Scheduler(ABC):
     ) -> tuple[list[Scheduled], list[tuple[str, int]]] | None:
         """Most steps: every sequence of ``order`` computes all its uncomputed tokens, which
         the budget holds and no chunk cap cuts (decodes). Then its rows (each samples) and
-        allocation requests, built at C speed; else None (``_chunked_rows`` decides)."""
-        ends = list(map(len, map(_TOKEN_IDS, order)))
-        sizes = list(map(sub, ends, map(_COMPUTED, order)))
+        allocation requests; else None (``_chunked_rows`` decides)."""
+        ends, sizes = [], []
+        for seq in order:  # a loop: faster in CPython 3.11 than chained maps of attrgetters
+            end = len(seq.token_ids)
+            ends.append(end)
+            sizes.append(end - seq.num_computed_tokens)
         if not sizes or min(sizes) <= 0 or sum(sizes) > budget:
             return None
         if self.max_chunk is not None and max(sizes) > self.max_chunk:
@@ -410,7 +410,7 @@ class Scheduler(ABC):
             # Each row a Scheduled built in C (its class's __new__ is a Python call a row)
             fields = zip(order, sizes, repeat(True), repeat(0), repeat(0))
             rows = list(map(tuple.__new__, repeat(Scheduled), fields))
-            ids = list(map(_REQUEST_ID, order))
+            ids = [seq.request_id for seq in order]
             if decodes:  # the same sequences decoding next step have the same rows
                 self._last_decodes = (order, rows, ids)
         return rows, list(zip(ids, ends, strict=True))

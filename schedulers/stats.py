@@ -3,13 +3,9 @@
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 from schedulers.base import Scheduler
 from schedulers.output import KVStats
 from schedulers.request import Status
-
-_REQUEST_ID = attrgetter("request_id")
 
 
 def kv_stats(scheduler: Scheduler) -> KVStats:
@@ -17,7 +13,7 @@ def kv_stats(scheduler: Scheduler) -> KVStats:
     both, taken each step while the forward computes)."""
     alloc = scheduler.allocator
     running = tuple(scheduler.running)
-    holdings = alloc.holdings(list(map(_REQUEST_ID, running)))
+    holdings = alloc.holdings([seq.request_id for seq in running])
     unusable = 0
     # Only an allocator whose free blocks can be unusable needs the head of the line (for any
     # other the answer is 0, whoever it is: no queue is read).

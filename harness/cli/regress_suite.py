@@ -13,7 +13,9 @@ other counts and the policy figures below gate everywhere against ``COMMON_BASEL
     work.<w>.query_padding     query positions computed / tokens fed (1.0: no padding)
     work.<w>.kv_read_waste     KV slots gathered / KV slots attended (block tails, padding)
     work.<w>.row_groups        padded batches over the run (each a pass over the weights)
-    work.<w>.calls_per_step    Python function calls per engine step (host overhead)
+    work.<w>.calls_per_step    Python function calls per engine step (host overhead; a list
+                               comprehension is a call, a map over the batch is none, though
+                               it may execute more: bench instructions counts what runs)
                                <w>: bench engine's uniform and mixed workloads (tiny model,
                                free list, FCFS, at most 8 running)
     work.contiguous.block_copies   block copies of the mixed workload on contiguous regions

@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from operator import attrgetter
 from pathlib import Path
 
 import mlx.core as mx
@@ -60,8 +59,6 @@ from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.output import StepResults
 from schedulers.request import Status
 from schedulers.stats import kv_stats
-
-_NUM_COMPUTED = attrgetter("num_computed_tokens")
 
 
 class LLMEngine:
@@ -516,7 +513,7 @@ class LLMEngine:
         scheduled = plan.scheduled
         seqs, num_new, samples, _, _ = zip(*scheduled, strict=True)  # the plan's columns
         queries = list(num_new)
-        starts = list(map(_NUM_COMPUTED, seqs))
+        starts = [seq.num_computed_tokens for seq in seqs]
         num_logits = list(map(int, samples))
         drafts = {}
         if step.proposals:  # a verification feeds its new tokens but the slots it reserved

@@ -79,7 +79,7 @@ def count(cell: dict, num_blocks: int, timeout: float, code: Path = REPO) -> dic
     if done.returncode:
         return {"error": (lines or ["failed"])[-1]}
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"ir": collected(done.stderr), "seq_steps": got["seq_steps"], "steps": got["steps"]}
+    return {"ir": collected(done.stderr), "seq_steps": got["seq_steps"]}
 
 
 def measure(sizes: tuple[int, int], runs: dict[tuple[str, int], dict]) -> dict:

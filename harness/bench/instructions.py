@@ -67,7 +67,7 @@ def count(cell: dict, num_blocks: int, timeout: float, code: Path = REPO) -> dic
     with tempfile.TemporaryDirectory() as tmp:
         cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
         cmd += [sys.executable, "-P", str(Path(__file__).resolve()), "--cell", json.dumps(cell)]
-        cmd += ["--num-blocks", str(num_blocks), "--out", str(Path(tmp) / "run")]
+        cmd += ["--num-blocks", str(num_blocks), "--out", str(Path(tmp) / "run")]  # run_cell's
         env = os.environ | {"PYTHONPATH": str(code), "PYTHONHASHSEED": "0"}
         try:
             done = subprocess.run(
@@ -143,35 +143,19 @@ def keep_hard_limits() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from harness.bench.scale import add_cell_options, checkout, chosen_options
+
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="300,900",
                         help="the two numbers of requests whose difference is counted")  # fmt: skip
-    parser.add_argument("--allocators", default="free_list,radix",
-                        help="conf/allocator options, comma-separated")  # fmt: skip
-    parser.add_argument("--schedulers", default="fcfs",
-                        help="conf/scheduler options, comma-separated")  # fmt: skip
-    parser.add_argument("--traces", default="azure_like",
-                        help="conf/trace options, comma-separated")  # fmt: skip
-    parser.add_argument("--rate", type=float, default=40.0, help="arrivals per second")
-    parser.add_argument("--num-blocks", type=int, default=4096, help="KV arena blocks (of 16)")
+    add_cell_options(parser, "free_list,radix", "fcfs", "azure_like")
     parser.add_argument("--against", metavar="REF",
                         help="also count each cell on git commit REF, side by side")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="runs under valgrind at once")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds a run under valgrind may take")  # fmt: skip
-    parser.add_argument("--cell", help=argparse.SUPPRESS)  # the subprocess: one cell
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.cell:  # this file drives REF's code too: only REF's ``scale`` cell is imported
-        from harness.bench.scale import main as scale_cell
-
-        keep_hard_limits()
-        scale_cell(["--cell", args.cell, "--num-blocks", str(args.num_blocks), "--out", args.out])
-        return
-    from harness.bench.scale import checkout
-    from harness.bench.support.components import options
-
     try:
         small, big = sorted(int(s) for s in args.sizes.split(","))
     except ValueError:
@@ -182,12 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--jobs: {args.jobs}; give a number of runs at once >= 1, e.g. 2")
     if shutil.which("valgrind") is None:
         sys.exit(f"{PROG}: valgrind not found; install it (Debian/Ubuntu: apt install valgrind)")
-    groups = {"allocator": args.allocators, "scheduler": args.schedulers, "trace": args.traces}
-    chosen = {group: names.split(",") for group, names in groups.items()}
-    for group, names in chosen.items():
-        unknown = [n for n in names if n not in options(group)]
-        if unknown:
-            parser.error(f"--{group}s: unknown {unknown}; choose from {', '.join(options(group))}")
+    chosen = chosen_options(parser, args)
     cells = [
         {"trace": t, "allocator": a, "scheduler": s, "rate": args.rate}
         for t in chosen["trace"]
@@ -218,5 +197,15 @@ def main(argv: list[str] | None = None) -> None:
     print(format_rows(rows, (small, big)))
 
 
+def run_cell(argv: list[str]) -> None:
+    """The subprocess under valgrind (this file run as a script, on this code or REF's):
+    ``scale``'s cell, ``argv`` its ``--cell``, ``--num-blocks`` and ``--out``, in this
+    process. It imports nothing of the project but that cell, which every REF has."""
+    from harness.bench.scale import main as scale_main
+
+    keep_hard_limits()
+    scale_main(argv)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cell(sys.argv[1:])

@@ -196,6 +196,31 @@ def run_repeats(
     return {key: median_run(got) for key, got in runs.items() if got}
 
 
+def add_cell_options(parser: argparse.ArgumentParser, allocators: str, schedulers: str,
+                     traces: str) -> None:  # fmt: skip
+    """The options that choose a replay bench's cells (conf options, comma-separated, with
+    these defaults), its arrival rate and arena: ``scale``'s and ``instructions``'."""
+    parser.add_argument("--allocators", default=allocators,
+                        help="conf/allocator options, comma-separated")  # fmt: skip
+    parser.add_argument("--schedulers", default=schedulers,
+                        help="conf/scheduler options, comma-separated")  # fmt: skip
+    parser.add_argument("--traces", default=traces, help="conf/trace options, comma-separated")
+    parser.add_argument("--rate", type=float, default=40.0, help="arrivals per second")
+    parser.add_argument("--num-blocks", type=int, default=4096, help="KV arena blocks (of 16)")
+
+
+def chosen_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The allocators, schedulers and traces ``add_cell_options`` chose, by group; an
+    unknown one is a usage error naming those that exist."""
+    groups = {"allocator": args.allocators, "scheduler": args.schedulers, "trace": args.traces}
+    chosen = {group: names.split(",") for group, names in groups.items()}
+    for group, names in chosen.items():
+        unknown = [n for n in names if n not in options(group)]
+        if unknown:
+            parser.error(f"--{group}s: unknown {unknown}; choose from {', '.join(options(group))}")
+    return chosen
+
+
 def checkout(ref: str, into: Path) -> Path:
     """The files of git commit ``ref`` of this repository, unpacked into ``into``."""
     archive = subprocess.run(
@@ -317,14 +342,8 @@ def format_batches(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000,10000,100000", help="requests per run")
-    parser.add_argument("--allocators", default=",".join(ALLOCATORS),
-                        help="conf/allocator options, comma-separated")  # fmt: skip
-    parser.add_argument("--schedulers", default="fcfs,chunked_prefill",
-                        help="conf/scheduler options, comma-separated")  # fmt: skip
-    parser.add_argument("--traces", default="azure_like,mooncake_like",
-                        help="conf/trace options, comma-separated")  # fmt: skip
-    parser.add_argument("--rate", type=float, default=40.0, help="arrivals per second")
-    parser.add_argument("--num-blocks", type=int, default=4096, help="KV arena blocks (of 16)")
+    add_cell_options(parser, ",".join(ALLOCATORS), "fcfs,chunked_prefill",
+                     "azure_like,mooncake_like")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a cell may run before it counts as a timeout")  # fmt: skip
     parser.add_argument("--out", help="folder for the runs (default: a temporary one)")
@@ -348,12 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--batches: {args.batches!r}; give max_num_seqs values >= 1, e.g. 4,8,16,32")
     if args.repeats < 1:
         parser.error(f"--repeats: {args.repeats}; give a number of runs >= 1, e.g. 3")
-    groups = {"allocator": args.allocators, "scheduler": args.schedulers, "trace": args.traces}
-    chosen = {group: names.split(",") for group, names in groups.items()}
-    for group, names in chosen.items():
-        unknown = [n for n in names if n not in options(group)]
-        if unknown:
-            parser.error(f"--{group}s: unknown {unknown}; choose from {', '.join(options(group))}")
+    chosen = chosen_options(parser, args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)

@@ -144,6 +144,7 @@ def keep_hard_limits() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Imported here, not above: this file also runs as REF's subprocess (``run_cell``)
     from harness.bench.scale import add_cell_options, checkout, chosen_options
 
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])

@@ -1,7 +1,8 @@
 """Instructions: CPU instructions per sequence-step of a model-clock replay, counted, not timed.
 
 ``python -m harness.bench instructions [--sizes 300,900] [--allocators free_list,radix]
-[--schedulers fcfs] [--traces azure_like] [--against REF] [--jobs 2] [--timeout 1800]``
+[--schedulers fcfs] [--traces azure_like] [--batches 1,32] [--against REF] [--jobs 2]
+[--timeout 1800]``
 
 On a shared machine a replay's time moves by up to 30 % from run to run, so a change that
 saves 3 % cannot be seen by timing it. The number of instructions it executes barely moves
@@ -20,8 +21,17 @@ other steps is flagged, since its count is then per other work.
 An instruction is not a unit of time: a change that trades instructions for cache misses (a
 bigger table, a walk over a dict of millions) moves the time and not this count, and the
 reverse. Use this to tell whether a change makes the replay's Python do less, side by side;
-use ``scale`` for the time. Needs valgrind (Linux; ``apt install valgrind``); runs are ~50x
-slower under it, a 900-request cell ~4 minutes. Valgrind lets no process change a hard
+use ``scale`` for the time.
+
+``--batches`` counts every cell at each ``scheduler.max_num_seqs`` given and splits a step's
+instructions, as ``scale --batches`` splits its time, into what a step executes whatever its
+batch and what each sequence adds: per configuration, the least-squares line through (mean
+batch, instructions a step) of its batches, each from the two sizes' differences (steps and
+sequence-steps). The time split differs from the counted one: a step's fixed path, spread over
+dozens of functions, runs fewer instructions a nanosecond than a tight loop over its sequences.
+
+Needs valgrind (Linux; ``apt install valgrind``); runs are ~50x slower under it, a 900-request
+cell ~4 minutes (at batch 1, ~10 minutes for 300 requests). Valgrind lets no process change a hard
 resource limit, which mlx_lm does at import: the subprocess sets only the soft one.
 """
 
@@ -63,8 +73,10 @@ def per_seq_step(small: dict, big: dict) -> float:
 
 
 def count(cell: dict, num_blocks: int, timeout: float, code: Path = REPO) -> dict:
-    """One cell's run under callgrind on the code in ``code``: its instructions (``ir``) and
-    sequence-steps, or ``{"error": message}``."""
+    """One cell's run under callgrind on the code in ``code``: its instructions (``ir``),
+    steps and sequence-steps, or ``{"error": message}``."""
+    from harness.bench.scale import other_batch  # not above: see ``main``
+
     with tempfile.TemporaryDirectory() as tmp:
         cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
         cmd += [sys.executable, "-P", str(Path(__file__).resolve()), "--cell", json.dumps(cell)]
@@ -80,12 +92,17 @@ def count(cell: dict, num_blocks: int, timeout: float, code: Path = REPO) -> dic
     if done.returncode:
         return {"error": (lines or ["failed"])[-1]}
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"ir": collected(done.stderr), "seq_steps": got["seq_steps"]}
+    return other_batch(cell, got) or {
+        "ir": collected(done.stderr),
+        "steps": got["steps"],
+        "seq_steps": got["seq_steps"],
+    }
 
 
 def measure(sizes: tuple[int, int], runs: dict[tuple[str, int], dict]) -> dict:
     """A cell's figures from its ``runs`` at both ``sizes`` (keyed by code, ``got`` or
-    ``old``, and size): per code, instructions per sequence-step, or an error."""
+    ``old``, and size): per code, instructions per sequence-step (``per``) and per step
+    (``per_step``) and the mean batch of the steps the bigger run took more, or an error."""
     out = {}
     for which in ("got", "old"):
         small, big = (runs.get((which, size)) for size in sizes)
@@ -96,7 +113,13 @@ def measure(sizes: tuple[int, int], runs: dict[tuple[str, int], dict]) -> dict:
             out[which] = failed[0]
             continue
         try:
-            out[which] = {"per": per_seq_step(small, big), "seq_steps": big["seq_steps"]}
+            steps = big["steps"] - small["steps"]
+            out[which] = {
+                "per": per_seq_step(small, big),
+                "seq_steps": big["seq_steps"],
+                "per_step": (big["ir"] - small["ir"]) / steps,
+                "batch": (big["seq_steps"] - small["seq_steps"]) / steps,
+            }
         except ValueError as e:
             out[which] = {"error": str(e)}
     return out
@@ -114,7 +137,8 @@ def format_rows(rows: list[dict], sizes: tuple[int, int]) -> str:
     lines = []
     for r in rows:
         got = r["got"]
-        cells = [r["trace"], r["allocator"], r["scheduler"]]
+        batch = f" ({r['batch']})" if r.get("batch") else ""
+        cells = [r["trace"], r["allocator"], r["scheduler"] + batch]
         if "error" in got:
             lines.append(cells + ["", got["error"]] + [""] * (len(header) - 5))
             continue
@@ -128,6 +152,33 @@ def format_rows(rows: list[dict], sizes: tuple[int, int]) -> str:
                 cells += [f"{old['per']:,.0f}", f"{got['per'] / old['per']:.3f}x", same]
         lines.append(cells)
     return format_table(header, lines)
+
+
+def format_fits(rows: list[dict]) -> str:
+    """Per configuration counted at several batches (``--batches``) and per code, the line
+    through its cells' (mean batch, instructions a step): the instructions a step executes
+    whatever its batch, and those each sequence adds ("" without two batches)."""
+    from harness.bench.scale import fit_line
+    from harness.bench.support.tables import format_table
+
+    points: dict[tuple, list[tuple[float, float]]] = {}
+    for r in rows:
+        for which in ("got", "old"):
+            got = r.get(which, {})
+            if r.get("batch") and "per_step" in got:
+                key = (r["trace"], r["allocator"], r["scheduler"], which)
+                points.setdefault(key, []).append((got["batch"], got["per_step"]))
+    header = ["trace", "allocator", "scheduler", "code", "batches (mean)",
+              "fixed instr/step", "instr/seq a step"]  # fmt: skip
+    lines = []
+    for (trace, alloc, sched, which), xy in points.items():
+        if len({round(x, 6) for x, _ in xy}) < 2:
+            continue  # one batch: no line
+        fixed, per = fit_line(xy)
+        batches = ", ".join(f"{x:.1f}" for x, _ in xy)
+        code = "this" if which == "got" else "REF"
+        lines.append([trace, alloc, sched, code, batches, f"{fixed:,.0f}", f"{per:,.0f}"])
+    return format_table(header, lines) if lines else ""
 
 
 def keep_hard_limits() -> None:
@@ -145,7 +196,7 @@ def keep_hard_limits() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     # Imported here, not above: this file also runs as REF's subprocess (``run_cell``)
-    from harness.bench.scale import add_cell_options, checkout, chosen_options
+    from harness.bench.scale import add_cell_options, checkout, chosen_batches, chosen_options
 
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="300,900",
@@ -168,12 +219,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--jobs: {args.jobs}; give a number of runs at once >= 1, e.g. 2")
     if shutil.which("valgrind") is None:
         sys.exit(f"{PROG}: valgrind not found; install it (Debian/Ubuntu: apt install valgrind)")
-    chosen = chosen_options(parser, args)
+    chosen, batches = chosen_options(parser, args), chosen_batches(parser, args)
     cells = [
-        {"trace": t, "allocator": a, "scheduler": s, "rate": args.rate}
+        {"trace": t, "allocator": a, "scheduler": s, "rate": args.rate, "batch": b}
         for t in chosen["trace"]
         for a in chosen["allocator"]
         for s in chosen["scheduler"]
+        for b in batches
     ]
     with tempfile.TemporaryDirectory() as tmp:
         codes = {"got": REPO}
@@ -197,6 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model clock, {args.num_blocks} blocks, rate {args.rate:g}/s; instructions counted by "
           f"callgrind, runs of {small:,} and {big:,} requests{against}")  # fmt: skip
     print(format_rows(rows, (small, big)))
+    if fits := format_fits(rows):
+        print()
+        print(fits)
 
 
 def run_cell(argv: list[str]) -> None:

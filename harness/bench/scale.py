@@ -154,9 +154,15 @@ def measure(cell: dict, num_blocks: int, timeout: float, out: Path, code: Path =
     if done.returncode:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    if cell.get("batch") and got.get("max_num_seqs") != cell["batch"]:  # an older bench
+    return other_batch(cell, got) or got
+
+
+def other_batch(cell: dict, got: dict) -> dict | None:
+    """An error if the run ``got`` of ``cell`` ran another batch than the cell's (a REF whose
+    bench predates ``--batches`` runs its default ``max_num_seqs``), else None."""
+    if cell.get("batch") and got.get("max_num_seqs") != cell["batch"]:
         return {"error": f"ran max_num_seqs={got.get('max_num_seqs', '?')}, not {cell['batch']}"}
-    return got
+    return None
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -207,6 +213,30 @@ def add_cell_options(parser: argparse.ArgumentParser, allocators: str, scheduler
     parser.add_argument("--traces", default=traces, help="conf/trace options, comma-separated")
     parser.add_argument("--rate", type=float, default=40.0, help="arrivals per second")
     parser.add_argument("--num-blocks", type=int, default=4096, help="KV arena blocks (of 16)")
+    parser.add_argument("--batches",
+                        help="scheduler.max_num_seqs values, comma-separated: each cell at "
+                        "each, then a step's fixed and per-sequence cost")  # fmt: skip
+
+
+def chosen_batches(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int | None]:
+    """The ``max_num_seqs`` of each cell ``--batches`` chose (``[None]``: the scheduler's
+    own); a value below 1 is a usage error."""
+    try:
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else [None]
+    except ValueError:
+        batches = [0]
+    if any(b is not None and b < 1 for b in batches):
+        parser.error(f"--batches: {args.batches!r}; give max_num_seqs values >= 1, e.g. 4,8,16,32")
+    return batches
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """The least-squares line ``y = fixed + per x`` through ``points`` (x, y), at least two
+    distinct x: ``(fixed, per)``."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    per = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - per * mx, per
 
 
 def chosen_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -330,12 +360,9 @@ def format_batches(rows: list[dict]) -> str:
     for (trace, alloc, sched, size), xy in points.items():
         if len({round(x, 6) for x, _ in xy}) < 2:
             continue  # one batch: no line
-        n = len(xy)
-        mx, my = sum(x for x, _ in xy) / n, sum(y for _, y in xy) / n
-        slope = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
+        fixed, per = fit_line(xy)
         batches = ", ".join(f"{x:.1f}" for x, _ in xy)
-        lines.append([trace, alloc, sched, f"{size:,}", batches, f"{my - slope * mx:.1f}",
-                      f"{slope:.2f}"])  # fmt: skip
+        lines.append([trace, alloc, sched, f"{size:,}", batches, f"{fixed:.1f}", f"{per:.2f}"])
     return format_table(header, lines) if lines else ""
 
 
@@ -349,9 +376,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="folder for the runs (default: a temporary one)")
     parser.add_argument("--against", metavar="REF",
                         help="also run each cell on git commit REF, side by side")  # fmt: skip
-    parser.add_argument("--batches",
-                        help="scheduler.max_num_seqs values, comma-separated: each cell at "
-                        "each, then the fixed and per-sequence µs of a step")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each cell (and of its REF): the median's figures, "
                         "and their CPU spread")  # fmt: skip
@@ -362,9 +386,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_cell(cell_overrides(cell, args.num_blocks), Path(args.out))))
         return
     sizes = [int(s) for s in args.sizes.split(",")]
-    batches = [int(b) for b in args.batches.split(",")] if args.batches else [None]
-    if any(b is not None and b < 1 for b in batches):
-        parser.error(f"--batches: {args.batches!r}; give max_num_seqs values >= 1, e.g. 4,8,16,32")
+    batches = chosen_batches(parser, args)
     if args.repeats < 1:
         parser.error(f"--repeats: {args.repeats}; give a number of runs >= 1, e.g. 3")
     chosen = chosen_options(parser, args)

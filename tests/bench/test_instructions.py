@@ -3,6 +3,7 @@ the table against a commit, and its one-line errors."""
 
 from __future__ import annotations
 
+import json
 import resource
 import shutil
 import subprocess
@@ -10,7 +11,14 @@ import subprocess
 import pytest
 
 from harness.bench import instructions
-from harness.bench.instructions import collected, format_rows, measure, per_seq_step
+from harness.bench.instructions import (
+    collected,
+    count,
+    format_fits,
+    format_rows,
+    measure,
+    per_seq_step,
+)
 
 HAS_VALGRIND = shutil.which("valgrind") is not None
 
@@ -23,7 +31,7 @@ def test_a_sequence_step_costs_what_the_bigger_run_did_more_per_sequence_step_mo
 
 
 def test_sizes_no_further_apart_than_their_steps_are_an_error_not_a_figure() -> None:
-    run = {"ir": 10, "seq_steps": 5}
+    run = {"ir": 10, "steps": 1, "seq_steps": 5}
     with pytest.raises(ValueError, match="further apart"):
         per_seq_step(run, run)
     got = measure((1, 2), {("got", 1): run, ("got", 2): run})
@@ -31,14 +39,53 @@ def test_sizes_no_further_apart_than_their_steps_are_an_error_not_a_figure() -> 
 
 
 def test_a_cells_figures_per_code_and_the_first_failure() -> None:
+    # The bigger run took 5 more steps of 20 sequence-steps more, for 2,000 instructions more:
+    # 100 a sequence-step, 400 a step, 4 sequences a step.
     runs = {
-        ("got", 10): {"ir": 1_000, "seq_steps": 10},
-        ("got", 30): {"ir": 3_000, "seq_steps": 30},
-        ("old", 10): {"ir": 1_000, "seq_steps": 10},
+        ("got", 10): {"ir": 1_000, "steps": 3, "seq_steps": 10},
+        ("got", 30): {"ir": 3_000, "steps": 8, "seq_steps": 30},
+        ("old", 10): {"ir": 1_000, "steps": 3, "seq_steps": 10},
         ("old", 30): {"error": "timeout"},
     }
     got = measure((10, 30), runs)
-    assert got == {"got": {"per": 100.0, "seq_steps": 30}, "old": {"error": "timeout"}}
+    assert got == {
+        "got": {"per": 100.0, "seq_steps": 30, "per_step": 400.0, "batch": 4.0},
+        "old": {"error": "timeout"},
+    }
+
+
+def test_batches_split_a_steps_instructions_into_fixed_and_per_sequence() -> None:
+    # A step executes 290,000 instructions whatever its batch and 10,000 a sequence: at a
+    # mean batch of 1 that is 300,000 a step, at 31, 600,000. REF: 200,000 and 20,000, so
+    # 220,000 at 1 and 820,000 at 31. A configuration counted at one batch has no line.
+    cell = {"trace": "azure_like", "allocator": "free_list", "scheduler": "fcfs"}
+    rows = [
+        cell | {"batch": 1, "got": {"per_step": 300_000.0, "batch": 1.0},
+                "old": {"per_step": 220_000.0, "batch": 1.0}},
+        cell | {"batch": 32, "got": {"per_step": 600_000.0, "batch": 31.0},
+                "old": {"per_step": 820_000.0, "batch": 31.0}},
+        cell | {"allocator": "radix", "batch": 32, "got": {"per_step": 1.0, "batch": 31.0}},
+        cell | {"allocator": "buddy", "got": {"per_step": 1.0, "batch": 31.0}},
+    ]  # fmt: skip
+    header, _, this, ref = format_fits(rows).splitlines()
+    assert header.split()[-6:] == ["(mean)", "fixed", "instr/step", "instr/seq", "a", "step"]
+    assert this.split() == ["azure_like", "free_list", "fcfs", "this", "1.0,", "31.0",
+                            "290,000", "10,000"]  # fmt: skip
+    assert ref.split()[3:] == ["REF", "1.0,", "31.0", "200,000", "20,000"]
+    assert format_fits(rows[2:]) == ""
+
+
+def test_a_run_of_another_batch_than_its_cell_is_an_error(monkeypatch) -> None:
+    # A REF whose bench predates --batches runs its default max_num_seqs whatever the cell
+    # asks: its count would be of another configuration.
+    report = "==1== Collected : 5000\n"
+    out = json.dumps({"steps": 5, "seq_steps": 160, "max_num_seqs": 32})
+    done = subprocess.CompletedProcess([], 0, stdout=out, stderr=report)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kwargs: done)
+    cell = {"trace": "azure_like", "allocator": "free_list", "scheduler": "fcfs", "size": 10}
+    assert count(cell | {"batch": 8}, 64, 60.0) == {"error": "ran max_num_seqs=32, not 8"}
+    assert count(cell | {"batch": 32}, 64, 60.0) == {"ir": 5000, "steps": 5, "seq_steps": 160}
+    assert count(cell | {"batch": None}, 64, 60.0) == {"ir": 5000, "steps": 5, "seq_steps": 160}
 
 
 @pytest.mark.skipif(not HAS_VALGRIND, reason="valgrind (Linux) counts the instructions")
@@ -100,6 +147,8 @@ def test_the_subprocess_sets_only_soft_limits(monkeypatch) -> None:
         (["--sizes", "300,300"], "--sizes: '300,300'; give two different sizes"),
         (["--jobs", "0"], "--jobs: 0; give a number of runs at once >= 1"),
         (["--allocators", "nope"], "--allocators: unknown ['nope']"),
+        (["--batches", "0,32"], "--batches: '0,32'; give max_num_seqs values >= 1"),
+        (["--batches", "x"], "--batches: 'x'; give max_num_seqs values >= 1"),
     ],
 )
 def test_a_bad_option_is_one_line(args, error, capsys) -> None:

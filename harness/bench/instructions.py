@@ -27,11 +27,15 @@ use ``scale`` for the time.
 instructions, as ``scale --batches`` splits its time, into what a step executes whatever its
 batch and what each sequence adds: per configuration, the least-squares line through (mean
 batch, instructions a step) of its batches, each from the two sizes' differences (steps and
-sequence-steps). The time split differs from the counted one: a step's fixed path, spread over
-dozens of functions, runs fewer instructions a nanosecond than a tight loop over its sequences.
+sequence-steps). What a run does once a request (its trace entry, admission, finish, request
+row) grows with the requests, so it lands in the per-sequence figure, spread over a request's
+sequence-steps. ``scale``'s split is of the replay's wall time alone, each batch's whole run;
+the two also differ because a step's fixed path, spread over dozens of functions, runs fewer
+instructions a nanosecond than a tight loop over its sequences.
 
 Needs valgrind (Linux; ``apt install valgrind``); runs are ~50x slower under it, a 900-request
-cell ~4 minutes (at batch 1, ~10 minutes for 300 requests). Valgrind lets no process change a hard
+cell ~4 minutes; at batch 1 every step is its own, ~10 minutes for 300 requests and ~30 for
+900 (give ``--timeout 5400``). Valgrind lets no process change a hard
 resource limit, which mlx_lm does at import: the subprocess sets only the soft one.
 """
 
@@ -114,6 +118,8 @@ def measure(sizes: tuple[int, int], runs: dict[tuple[str, int], dict]) -> dict:
             continue
         try:
             steps = big["steps"] - small["steps"]
+            if steps <= 0:
+                raise ValueError("the bigger run took no more steps: give sizes further apart")
             out[which] = {
                 "per": per_seq_step(small, big),
                 "seq_steps": big["seq_steps"],
@@ -172,12 +178,11 @@ def format_fits(rows: list[dict]) -> str:
               "fixed instr/step", "instr/seq a step"]  # fmt: skip
     lines = []
     for (trace, alloc, sched, which), xy in points.items():
-        if len({round(x, 6) for x, _ in xy}) < 2:
-            continue  # one batch: no line
-        fixed, per = fit_line(xy)
+        if (fit := fit_line(xy)) is None:
+            continue
         batches = ", ".join(f"{x:.1f}" for x, _ in xy)
         code = "this" if which == "got" else "REF"
-        lines.append([trace, alloc, sched, code, batches, f"{fixed:,.0f}", f"{per:,.0f}"])
+        lines.append([trace, alloc, sched, code, batches, f"{fit[0]:,.0f}", f"{fit[1]:,.0f}"])
     return format_table(header, lines) if lines else ""
 
 

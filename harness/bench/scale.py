@@ -220,19 +220,22 @@ def add_cell_options(parser: argparse.ArgumentParser, allocators: str, scheduler
 
 def chosen_batches(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int | None]:
     """The ``max_num_seqs`` of each cell ``--batches`` chose (``[None]``: the scheduler's
-    own); a value below 1 is a usage error."""
+    own); anything but distinct integers >= 1 is a usage error."""
     try:
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [None]
     except ValueError:
         batches = [0]
-    if any(b is not None and b < 1 for b in batches):
-        parser.error(f"--batches: {args.batches!r}; give max_num_seqs values >= 1, e.g. 4,8,16,32")
+    if any(b is not None and b < 1 for b in batches) or len(set(batches)) < len(batches):
+        parser.error(f"--batches: {args.batches!r}; give distinct max_num_seqs values >= 1, "
+                     "comma-separated, e.g. 4,8,16,32")  # fmt: skip
     return batches
 
 
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """The least-squares line ``y = fixed + per x`` through ``points`` (x, y), at least two
-    distinct x: ``(fixed, per)``."""
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """The least-squares line ``y = fixed + per x`` through ``points`` (x, y): ``(fixed,
+    per)``; None without two distinct x (one batch: no line)."""
+    if len({round(x, 6) for x, _ in points}) < 2:
+        return None
     n = len(points)
     mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
     per = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
@@ -358,11 +361,10 @@ def format_batches(rows: list[dict]) -> str:
               "fixed µs/step", "µs/seq a step"]  # fmt: skip
     lines = []
     for (trace, alloc, sched, size), xy in points.items():
-        if len({round(x, 6) for x, _ in xy}) < 2:
-            continue  # one batch: no line
-        fixed, per = fit_line(xy)
+        if (fit := fit_line(xy)) is None:
+            continue
         batches = ", ".join(f"{x:.1f}" for x, _ in xy)
-        lines.append([trace, alloc, sched, f"{size:,}", batches, f"{fixed:.1f}", f"{per:.2f}"])
+        lines.append([trace, alloc, sched, f"{size:,}", batches, f"{fit[0]:.1f}", f"{fit[1]:.2f}"])
     return format_table(header, lines) if lines else ""
 
 

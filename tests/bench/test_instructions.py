@@ -36,6 +36,10 @@ def test_sizes_no_further_apart_than_their_steps_are_an_error_not_a_figure() -> 
         per_seq_step(run, run)
     got = measure((1, 2), {("got", 1): run, ("got", 2): run})
     assert "further apart" in got["got"]["error"]
+    # More sequence-steps in no more steps: no step's figure either (not a division by 0)
+    wider = {"ir": 20, "steps": 1, "seq_steps": 10}
+    got = measure((1, 2), {("got", 1): run, ("got", 2): wider})
+    assert got["got"] == {"error": "the bigger run took no more steps: give sizes further apart"}
 
 
 def test_a_cells_figures_per_code_and_the_first_failure() -> None:
@@ -147,8 +151,9 @@ def test_the_subprocess_sets_only_soft_limits(monkeypatch) -> None:
         (["--sizes", "300,300"], "--sizes: '300,300'; give two different sizes"),
         (["--jobs", "0"], "--jobs: 0; give a number of runs at once >= 1"),
         (["--allocators", "nope"], "--allocators: unknown ['nope']"),
-        (["--batches", "0,32"], "--batches: '0,32'; give max_num_seqs values >= 1"),
-        (["--batches", "x"], "--batches: 'x'; give max_num_seqs values >= 1"),
+        (["--batches", "0,32"], "--batches: '0,32'; give distinct max_num_seqs values >= 1"),
+        (["--batches", "x"], "--batches: 'x'; give distinct max_num_seqs values >= 1"),
+        (["--batches", "32,32"], "--batches: '32,32'; give distinct max_num_seqs values >= 1"),
     ],
 )
 def test_a_bad_option_is_one_line(args, error, capsys) -> None:

@@ -9,6 +9,7 @@ import pytest
 from harness.analysis.results import REQUESTS_FILE
 from harness.bench.scale import (
     cell_overrides,
+    fit_line,
     format_batches,
     format_cells,
     format_ratios,
@@ -80,6 +81,16 @@ def _batched(batch: int, steps: int, seq_steps: int, replay: float) -> dict:
     got = {"wall": 1.0, "cpu": 1.0, "replay": replay, "rss_mib": 300.0, "steps": steps,
            "seq_steps": seq_steps, "throughput": 1.0}  # fmt: skip
     return _cell(1_000, 0, 0, 0) | {"batch": batch, "got": got}
+
+
+def test_the_line_is_the_least_squares_one_and_none_without_two_batches() -> None:
+    # Through (0, 0), (1, 1), (2, 1), which no line crosses: mean x 1, mean y 2/3; deviations
+    # (-1, -2/3), (0, 1/3), (1, 1/3), so sum dx dy = 2/3 + 0 + 1/3 = 1 and sum dx^2 = 2: slope
+    # 1/2, intercept 2/3 - 1/2 = 1/6.
+    fixed, per = fit_line([(0.0, 0.0), (1.0, 1.0), (2.0, 1.0)])
+    assert per == pytest.approx(0.5)
+    assert fixed == pytest.approx(1 / 6)
+    assert fit_line([(1.0, 1.0), (1.0, 2.0)]) is None
 
 
 def test_batches_split_a_steps_cost_into_fixed_and_per_sequence() -> None:

@@ -164,7 +164,7 @@ def format_fits(rows: list[dict]) -> str:
     """Per configuration counted at several batches (``--batches``) and per code, the line
     through its cells' (mean batch, instructions a step): the instructions a step executes
     whatever its batch, and those each sequence adds ("" without two batches)."""
-    from harness.bench.scale import fit_line
+    from harness.bench.scale import fit_lines
     from harness.bench.support.tables import format_table
 
     points: dict[tuple, list[tuple[float, float]]] = {}
@@ -177,12 +177,9 @@ def format_fits(rows: list[dict]) -> str:
     header = ["trace", "allocator", "scheduler", "code", "batches (mean)",
               "fixed instr/step", "instr/seq a step"]  # fmt: skip
     lines = []
-    for (trace, alloc, sched, which), xy in points.items():
-        if (fit := fit_line(xy)) is None:
-            continue
-        batches = ", ".join(f"{x:.1f}" for x, _ in xy)
+    for (trace, alloc, sched, which), batches, fixed, per in fit_lines(points):
         code = "this" if which == "got" else "REF"
-        lines.append([trace, alloc, sched, code, batches, f"{fit[0]:,.0f}", f"{fit[1]:,.0f}"])
+        lines.append([trace, alloc, sched, code, batches, f"{fixed:,.0f}", f"{per:,.0f}"])
     return format_table(header, lines) if lines else ""
 
 

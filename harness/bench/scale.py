@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from itertools import product
 from pathlib import Path
 
@@ -242,6 +243,14 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     return my - per * mx, per
 
 
+def fit_lines(points: dict[tuple, list[tuple[float, float]]]) -> Iterator[tuple]:
+    """Per configuration of ``points`` (its (mean batch, cost a step) points) with a line:
+    the configuration, its mean batches as printed, and ``fit_line``'s fixed and per."""
+    for key, xy in points.items():
+        if (fit := fit_line(xy)) is not None:
+            yield key, ", ".join(f"{x:.1f}" for x, _ in xy), *fit
+
+
 def chosen_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     """The allocators, schedulers and traces ``add_cell_options`` chose, by group; an
     unknown one is a usage error naming those that exist."""
@@ -360,11 +369,8 @@ def format_batches(rows: list[dict]) -> str:
     header = ["trace", "allocator", "scheduler", "requests", "batches (mean)",
               "fixed µs/step", "µs/seq a step"]  # fmt: skip
     lines = []
-    for (trace, alloc, sched, size), xy in points.items():
-        if (fit := fit_line(xy)) is None:
-            continue
-        batches = ", ".join(f"{x:.1f}" for x, _ in xy)
-        lines.append([trace, alloc, sched, f"{size:,}", batches, f"{fit[0]:.1f}", f"{fit[1]:.2f}"])
+    for (trace, alloc, sched, size), batches, fixed, per in fit_lines(points):
+        lines.append([trace, alloc, sched, f"{size:,}", batches, f"{fixed:.1f}", f"{per:.2f}"])
     return format_table(header, lines) if lines else ""
 
 

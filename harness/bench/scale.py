@@ -161,9 +161,12 @@ def measure(cell: dict, num_blocks: int, timeout: float, out: Path, code: Path =
 def other_batch(cell: dict, got: dict) -> dict | None:
     """An error if the run ``got`` of ``cell`` ran another batch than the cell's (a REF whose
     bench predates ``--batches`` runs its default ``max_num_seqs``), else None."""
-    if cell.get("batch") and got.get("max_num_seqs") != cell["batch"]:
-        return {"error": f"ran max_num_seqs={got.get('max_num_seqs', '?')}, not {cell['batch']}"}
-    return None
+    if not cell.get("batch") or got.get("max_num_seqs") == cell["batch"]:
+        return None
+    batch = cell["batch"]
+    if "max_num_seqs" not in got:
+        return {"error": f"its bench predates --batches: ran its default batch, not {batch}"}
+    return {"error": f"ran max_num_seqs={got['max_num_seqs']}, not {batch}"}
 
 
 def median_run(runs: list[dict]) -> dict:

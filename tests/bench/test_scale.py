@@ -130,7 +130,8 @@ def test_a_commit_whose_bench_ignores_the_batch_is_an_error_not_a_figure(monkeyp
     cell = {"trace": "azure_like", "allocator": "radix", "scheduler": "fcfs", "size": 10,
             "rate": 40.0, "batch": 8}  # fmt: skip
     monkeypatch.setattr(subprocess, "run", ran({"steps": 5}))
-    assert measure(cell, 64, 60.0, None) == {"error": "ran max_num_seqs=?, not 8"}
+    old = "its bench predates --batches: ran its default batch, not 8"
+    assert measure(cell, 64, 60.0, None) == {"error": old}
     monkeypatch.setattr(subprocess, "run", ran({"steps": 5, "max_num_seqs": 32}))
     assert measure(cell, 64, 60.0, None) == {"error": "ran max_num_seqs=32, not 8"}
     monkeypatch.setattr(subprocess, "run", ran({"steps": 5, "max_num_seqs": 8}))

@@ -11,6 +11,9 @@
                ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``, one hash id
                per ``hash_block`` (512) prompt tokens, the last block partial
 
+``write_mooncake`` writes a kvbench trace as a Mooncake file (for Dynamo's mocker: harness/bench/
+dynamo.py), its hash ids chained so that equal ids mean equal prefixes.
+
 Records with 0 prompt or 0 output tokens (BurstGPT's failed requests) are skipped and
 counted (``skipped_empty`` in the trace's metadata): replaying them would invent a decode.
 The first two carry lengths only: prompts are seeded random tokens, so nothing is shared.
@@ -38,6 +41,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -52,6 +56,7 @@ from harness.workload.traces import (
     Trace,
     TraceError,
     TraceRequest,
+    atomic_write,
     max_prefix_hit_rate,
     random_prompts,
     token_arrays,
@@ -221,6 +226,42 @@ def mooncake(
     return hashed_trace(
         "mooncake", window.apply(records), params, max_len, vocab_size, seed, hash_block
     )
+
+
+def write_mooncake(trace: Trace, path: str | os.PathLike, hash_block: int) -> None:
+    """Write ``trace`` as a Mooncake file (the module docstring's format), atomically: one
+    record per request, its arrival in milliseconds, its lengths, and one hash id per
+    ``hash_block`` prompt tokens (the last block partial). An id names a block with all the
+    blocks before it (a chain, as vLLM's block hashes and Mooncake's ids are), numbered from
+    0 in the order first met: two prompts share a block's id exactly when they share every
+    token up to its end, which is when a prefix cache of ``hash_block``-token blocks shares
+    it. ``mooncake`` reads the file back with the same lengths and sharing. A follow-up turn
+    (``TraceRequest.after``) is refused: a Mooncake file's requests arrive on their own."""
+    if hash_block < 1:
+        raise ValueError(f"hash_block={hash_block} is invalid: tokens per hash id >= 1")
+    ids: dict[tuple[int, bytes], int] = {}
+    lines = []
+    for r in trace:
+        if r.after is not None:
+            raise TraceError(
+                f"request {r.request_id!r} continues {r.after!r} (a follow-up turn): a "
+                "Mooncake file has no turns; write a trace whose requests all arrive on "
+                "their own"
+            )
+        tokens = np.asarray(r.prompt_token_ids, dtype=np.int64).tobytes()  # 8 bytes a token
+        chain, parent = [], -1
+        for at in range(0, len(tokens), 8 * hash_block):
+            parent = ids.setdefault((parent, tokens[at : at + 8 * hash_block]), len(ids))
+            chain.append(parent)
+        record = {
+            "timestamp": round(r.arrival_time * 1000.0, 6),
+            "input_length": len(r.prompt_token_ids),
+            "output_length": r.max_tokens,
+            "hash_ids": chain,
+        }
+        lines.append(json.dumps(record))
+    text = "\n".join(lines) + "\n"
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
 
 # -- building the trace ----------------------------------------------------------------------

@@ -392,12 +392,14 @@ def from_file(path: str) -> Trace:
     return trace
 
 
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Write ``path`` through ``write(tmp)`` into a temporary file beside it, then rename it
+    into place: readers never see a half-written file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
-        os.replace(tmp, path)  # readers never see a half-written trace
+        os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
@@ -411,10 +413,10 @@ def save(trace: Trace, path: str | os.PathLike) -> None:
     records = [asdict(r) | {"prompt_token_ids": list(r.prompt_token_ids)} for r in trace.requests]
     if path.suffix == ".jsonl":
         lines = [json.dumps({"metadata": trace.metadata})] + [json.dumps(r) for r in records]
-        _atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+        atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
     elif path.suffix == ".parquet":
         schema = _SCHEMA.with_metadata({_PARQUET_KEY: json.dumps(trace.metadata).encode()})
         table = pa.Table.from_pylist(records, schema=schema)
-        _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+        atomic_write(path, lambda tmp: pq.write_table(table, tmp))
     else:
         raise TraceError(f"{path}: unknown trace format {path.suffix!r}; use .jsonl or .parquet")

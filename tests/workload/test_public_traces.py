@@ -10,8 +10,8 @@ import pytest
 
 from harness.workload.distributions import LogNormal, Poisson, Uniform
 from harness.workload.generators import mooncake_like
-from harness.workload.public import azure, burstgpt, clip, mooncake
-from harness.workload.traces import TraceError
+from harness.workload.public import azure, burstgpt, clip, mooncake, write_mooncake
+from harness.workload.traces import Trace, TraceError, TraceRequest
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -242,3 +242,57 @@ def test_mooncake_like_is_seeded_sorted_and_shares_system_prompts_and_history():
         for i, p in enumerate(prompts[:50])
     )
     assert extended > 0  # multi-turn: some prompt's full blocks open a later prompt
+
+
+def _request(i: int, at: float, prompt: list[int], out: int, after: str | None = None):
+    return TraceRequest(f"r{i}", at, prompt, out, after=after)
+
+
+def test_a_trace_written_as_mooncake_names_each_block_with_its_prefix(tmp_path):
+    # Blocks of 2 tokens; an id names a block and every block before it, numbered as met:
+    #   r0 [1 2|3 4|5]    -> 0, 1, 2      (the last block partial)
+    #   r1 [1 2|3 4|6 7]  -> 0, 1, 3      (its first two blocks are r0's)
+    #   r2 [9 2|3 4]      -> 4, 5         ([3 4] after another block: not r0's block 1)
+    #   r3 [1 2|3]        -> 0, 6         ([3] is a block of its own, not r0's [3 4])
+    trace = Trace((_request(0, 0.0, [1, 2, 3, 4, 5], 7), _request(1, 0.25, [1, 2, 3, 4, 6, 7], 1),
+                   _request(2, 1.5, [9, 2, 3, 4], 2), _request(3, 2.0, [1, 2, 3], 3)))  # fmt: skip
+    path = tmp_path / "t.jsonl"
+    write_mooncake(trace, path, hash_block=2)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records == [
+        {"timestamp": 0.0, "input_length": 5, "output_length": 7, "hash_ids": [0, 1, 2]},
+        {"timestamp": 250.0, "input_length": 6, "output_length": 1, "hash_ids": [0, 1, 3]},
+        {"timestamp": 1500.0, "input_length": 4, "output_length": 2, "hash_ids": [4, 5]},
+        {"timestamp": 2000.0, "input_length": 3, "output_length": 3, "hash_ids": [0, 6]},
+    ]
+
+
+def test_a_mooncake_file_written_from_a_trace_reads_back_with_its_lengths_and_sharing(tmp_path):
+    trace = generate(n=40)  # sessions over shared system prompts, turns arriving on their own
+    assert not any(r.after for r in trace)
+    path = tmp_path / "t.jsonl"
+    write_mooncake(trace, path, hash_block=8)
+    back = mooncake(str(path), max_len=None, vocab_size=1024, hash_block=8)
+    assert [len(r.prompt_token_ids) for r in back] == [len(r.prompt_token_ids) for r in trace]
+    assert [r.max_tokens for r in back] == [r.max_tokens for r in trace]
+    assert [r.arrival_time for r in back] == pytest.approx([r.arrival_time for r in trace])
+
+    def full_blocks_shared(a, b) -> int:  # what a prefix cache of 8-token blocks shares
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n // 8
+
+    def sharing(t: Trace) -> list[int]:
+        prompts = [r.prompt_token_ids for r in t]
+        return [full_blocks_shared(p, q) for i, p in enumerate(prompts) for q in prompts[:i]]
+
+    assert any(sharing(trace))  # the sessions' system prompts: some sharing to keep
+    assert sharing(back) == sharing(trace)
+
+
+def test_a_follow_up_turn_cannot_be_written_as_mooncake(tmp_path):
+    trace = Trace((_request(0, 0.0, [1, 2], 1), _request(1, 0.5, [3], 1, after="r0")))
+    with pytest.raises(TraceError, match="request 'r1' continues 'r0' \\(a follow-up turn\\)"):
+        write_mooncake(trace, tmp_path / "t.jsonl", hash_block=2)
+    assert not (tmp_path / "t.jsonl").exists()

@@ -9,39 +9,46 @@ paged KV block manager with prefix caching; its offline trace replay is a discre
 simulation priced by its own timing model. It is the anchor issue 34 names for a replay's
 speed. ``PATH`` is an interpreter that has it: its wheels pin pydantic, so give it a venv of
 its own (``python3 -m venv .venv-dynamo && .venv-dynamo/bin/pip install
-ai-dynamo-runtime==1.6.1``; Linux wheels only).
+ai-dynamo-runtime==1.6.1``; Linux wheels only). It is checked before any cell runs.
 
 Each cell is ``scale``'s (a kvbench ``run`` on the model clock, in a subprocess: the same
-trace, arena and rate; ``--rate``, ``--num-blocks``). Its trace is also written as a Mooncake
-file (``write_mooncake``: a hash id per ``engine.block_size`` tokens) and replayed by Dynamo
-(``support/dynamo_replay.py``, a subprocess of ``PATH``) with the engine the cell's kvbench
-run builds: block size, arena blocks, ``max_num_seqs``, ``max_num_batched_tokens``,
-``max_model_len``, prefix caching when the allocator caches prefixes (radix), chunked
-prefill when the scheduler chunks, and the latest admitted preempted first (``lifo``:
-FCFS's victim). Both replay the same requests: the same output tokens.
+trace, arena and rate; ``--rate``, ``--num-blocks``, ``--batches``). Its trace is also written
+as a Mooncake file (``write_mooncake``: a hash id per ``engine.block_size`` tokens) and
+replayed by Dynamo (``support/dynamo_replay.py``, a subprocess of ``PATH``) with the engine
+the cell's kvbench run builds: block size, arena blocks, ``max_num_seqs``,
+``max_num_batched_tokens``, ``max_model_len``, prefix caching for radix, chunked prefill for
+chunked_prefill, and the latest admitted preempted first (``lifo``, FCFS's victim). Only those
+allocators and schedulers have a counterpart there (vLLM's paged blocks, with or without its
+prefix cache; FCFS, with or without chunked prefill): any other is a usage error. A cell's
+figures count only if both sides emitted every output token the trace asks for (Dynamo
+shortens an output that does not fit ``max_model_len``): else the cell is an error.
 
-Per cell: requests and output tokens; kvbench's replay wall time (the summary's
-``wall_time``: the replay loop, not the trace's build nor the tables' writing) and Dynamo's
-(its replay call: reading the file, simulating, summing up), each in µs per output token, and
-kvbench's over Dynamo's. Both are wall clocks, measured side by side in one run (with
-``--repeats K``, each side's run of median wall, the two alternating, kvbench first in every
-other run). The replays' own clocks are not compared: kvbench's model clock and Dynamo's
-timing model price different things. The work differs too, and the figure says how much
-that costs, not which is right: kvbench runs its engine's whole step path (Python scheduler
-policies and allocators, the model clock's padded groups) and records every step's row and
-every request's token times; Dynamo's mocker keeps the counters of its summary, and its
-watermark is its own (1 % of blocks; kvbench's cells keep none).
+Per cell: requests, output tokens, blocks, kvbench's mean batch (sequences a step: at the
+default rate both sides keep ``max_num_seqs`` running, which makes a token's cost comparable);
+kvbench's replay wall time (the summary's ``wall_time``: the replay loop, not the trace's
+build nor the tables' writing) and Dynamo's (its summary's ``wall_time_ms``: the simulation,
+not the file's parsing), each in µs per output token, and kvbench's over Dynamo's. Both are
+wall clocks, measured side by side in one run: with ``--repeats K`` each side's run of median
+wall, with its spread over the K runs (``(slowest - fastest) / median``), the sides
+alternating (kvbench first in every other run). The replays' own clocks are not compared:
+kvbench's model clock and Dynamo's timing model price different things, so their latencies
+and schedules differ. The work differs too, and the figure says what that costs, not which
+is right: kvbench runs its engine's whole step path (Python scheduler policies and
+allocators, the model clock's padded groups) and records every step's row and every token's
+time; Dynamo's mocker keeps per-request records for its summary's percentiles.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from itertools import product
+from operator import itemgetter
 from pathlib import Path
 
 from harness.bench.scale import (
@@ -50,12 +57,16 @@ from harness.bench.scale import (
     chosen_batches,
     chosen_options,
     measure,
+    median_of,
 )
 from harness.bench.support.components import compose_config
 from harness.bench.support.tables import format_table
 
 PROG = "python -m harness.bench dynamo"
 DRIVER = Path(__file__).parent / "support" / "dynamo_replay.py"
+# The options with a counterpart in Dynamo's vLLM mocker: a paged allocator (radix: with its
+# prefix cache) and FCFS (chunked_prefill: with chunked prefill); both preempt the latest.
+COUNTERPARTS = {"allocator": ("free_list", "radix"), "scheduler": ("fcfs", "chunked_prefill")}
 
 
 def engine_args(cfg) -> dict:
@@ -94,82 +105,97 @@ def write_cell_trace(cell: dict, num_blocks: int, path: Path) -> tuple[dict, int
     return args, sum(r.max_tokens for r in trace)
 
 
-def run_dynamo(python: str, trace: Path, args: dict, timeout: float) -> dict:
-    """Dynamo's replay of ``trace`` with engine ``args``, in a subprocess of ``python``: its
-    figures, or ``{"error": message}``."""
-    cmd = [python, str(DRIVER), str(trace), json.dumps(args)]
+def call_driver(python: str, argv: list[str], timeout: float) -> dict:
+    """``support/dynamo_replay.py argv`` run by ``python``: the JSON it printed, or
+    ``{"error": message}`` (its last line on stderr, a timeout, no such interpreter, or
+    output that is not its result)."""
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [python, str(DRIVER), *argv], capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         return {"error": "timeout"}
     except OSError as e:
         return {"error": f"--python {python}: {e.strerror}"}
     if done.returncode:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": f"--python {python}: printed no result; is it a Python interpreter?"}
 
 
-def median_wall(runs: list[dict], key: str) -> dict:
-    """The run of median ``key`` (the lower middle of an even count), with how many runs
-    there were; the first error if any run failed."""
-    failed = [r for r in runs if "error" in r]
-    if failed:
-        return failed[0]
-    middle = sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
-    return middle | {"runs": len(runs)}
+def run_dynamo(python: str, trace: Path, args: dict, tokens: int, timeout: float) -> dict:
+    """Dynamo's replay of ``trace`` (``tokens`` output tokens) with engine ``args``: its
+    figures, ``replay`` its simulation's wall seconds; an error if it fails or emits
+    another number of tokens."""
+    got = call_driver(python, [str(trace), json.dumps(args)], timeout)
+    if "error" in got:
+        return got
+    if got["total_output_tokens"] != tokens:
+        return {"error": f"Dynamo emitted {got['total_output_tokens']:,} of {tokens:,} tokens"}
+    return got | {"replay": got["wall_time_ms"] / 1000.0}
 
 
-def format_rows(rows: list[dict]) -> str:
-    """One line per cell: its requests and output tokens, each side's wall time and µs per
-    output token, kvbench's over Dynamo's (module docstring)."""
-    header = ["trace", "allocator", "scheduler", "max_num_seqs", "requests", "output tokens",
-              "kvbench replay s", "kvbench µs/token", "Dynamo replay s", "Dynamo µs/token",
-              "kvbench / Dynamo", "completed (kvbench, Dynamo)"]  # fmt: skip
-    lines = []
-    for r in rows:
-        ours, theirs, tokens = r["kvbench"], r["dynamo"], r["output_tokens"]
-        cells = [
-            r["trace"],
-            r["allocator"],
-            r["scheduler"],
-            str(r["engine"]["max_num_seqs"]),
-            f"{r['size']:,}",
-            f"{tokens:,}",
-        ]
-        for side, wall in ((ours, "replay"), (theirs, "wall")):
-            if "error" in side:
-                cells += [side["error"], ""]
-            else:
-                cells += [f"{side[wall]:.2f}", f"{1e6 * side[wall] / tokens:.2f}"]
-        if "error" in ours or "error" in theirs:
-            cells += ["n/a", ""]
-        else:
-            cells.append(f"{ours['replay'] / theirs['wall']:.1f}x")
-            cells.append(f"{ours['completed']:,}, {theirs['completed_requests']:,}")
-        lines.append(cells)
-    return format_table(header, lines)
+def run_kvbench(cell: dict, num_blocks: int, tokens: int, timeout: float, tmp: Path) -> dict:
+    """kvbench's run of ``cell`` (``scale``'s, in a folder deleted after it); an error if it
+    fails or emits another number of tokens than the trace's ``tokens``."""
+    folder = Path(tempfile.mkdtemp(dir=tmp))
+    try:
+        got = measure(cell, num_blocks, timeout, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # a 100k-request run's tables take ~100 MB
+    if "error" not in got and got["output_tokens"] != tokens:
+        return {"error": f"kvbench emitted {got['output_tokens']:,} of {tokens:,} tokens"}
+    return got
 
 
 def run_cell(cell: dict, args: argparse.Namespace, tmp: Path, index: int) -> dict:
     """``cell``'s row: its trace written for Dynamo, then ``args.repeats`` runs of each
-    side, alternating (kvbench first in every other run), reduced by ``median_wall``."""
+    side, alternating (kvbench first in every other run), each side's run of median wall."""
     trace = tmp / "trace.jsonl"
     engine, tokens = write_cell_trace(cell, args.num_blocks, trace)
     runs: dict[str, list[dict]] = {"kvbench": [], "dynamo": []}
     for k in range(args.repeats):
-        sides = ("kvbench", "dynamo") if (index + k) % 2 == 0 else ("dynamo", "kvbench")
-        for side in sides:
+        for side in ("kvbench", "dynamo")[:: 1 if (index + k) % 2 == 0 else -1]:
             if side == "kvbench":
-                folder = Path(tempfile.mkdtemp(dir=tmp))  # a fresh folder a run
-                runs[side].append(measure(cell, args.num_blocks, args.timeout, folder))
+                runs[side].append(run_kvbench(cell, args.num_blocks, tokens, args.timeout, tmp))
             else:
-                runs[side].append(run_dynamo(args.python, trace, engine, args.timeout))
+                runs[side].append(run_dynamo(args.python, trace, engine, tokens, args.timeout))
     return cell | {
         "output_tokens": tokens,
         "engine": engine,
-        "kvbench": median_wall(runs["kvbench"], "replay"),
-        "dynamo": median_wall(runs["dynamo"], "wall"),
+        **{side: median_of(got, itemgetter("replay"), "wall") for side, got in runs.items()},
     }
+
+
+def format_rows(rows: list[dict]) -> str:
+    """One line per cell: its requests, output tokens, blocks and kvbench's mean batch,
+    each side's replay wall time and µs per output token, kvbench's over Dynamo's, and with
+    repeated runs their count and each side's spread (module docstring)."""
+    repeated = any(r[side].get("runs", 1) > 1 for r in rows for side in ("kvbench", "dynamo"))
+    header = ["trace", "allocator", "scheduler", "max_num_seqs", "requests", "output tokens",
+              "blocks", "mean batch", "kvbench replay s", "kvbench µs/token", "Dynamo replay s",
+              "Dynamo µs/token", "kvbench / Dynamo"]  # fmt: skip
+    header += ["runs", "spread (kvbench, Dynamo)"] if repeated else []
+    lines = []
+    for r in rows:
+        ours, theirs, tokens, engine = r["kvbench"], r["dynamo"], r["output_tokens"], r["engine"]
+        cells = [r["trace"], r["allocator"], r["scheduler"], str(engine["max_num_seqs"]),
+                 f"{r['size']:,}", f"{tokens:,}", f"{engine['num_gpu_blocks']:,}"]  # fmt: skip
+        cells.append("" if "error" in ours else f"{ours['seq_steps'] / ours['steps']:.1f}")
+        for side in (ours, theirs):
+            if "error" in side:
+                cells += [side["error"], ""]
+            else:
+                cells += [f"{side['replay']:.2f}", f"{1e6 * side['replay'] / tokens:.2f}"]
+        failed = "error" in ours or "error" in theirs
+        cells.append("n/a" if failed else f"{ours['replay'] / theirs['replay']:.1f}x")
+        if repeated:
+            spreads = "" if failed else f"{ours['wall_spread']:.0%}, {theirs['wall_spread']:.0%}"
+            cells += ["" if failed else str(ours["runs"]), spreads]
+        lines.append(cells)
+    return format_table(header, lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,22 +219,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1:
         parser.error(f"--repeats: {args.repeats}; give a number of runs >= 1, e.g. 3")
     chosen = chosen_options(parser, args)
+    for group, names in COUNTERPARTS.items():
+        if other := [n for n in chosen[group] if n not in names]:
+            parser.error(f"--{group}s: {other} have no counterpart in Dynamo's vLLM mocker; "
+                         f"choose from {', '.join(names)}")  # fmt: skip
+    version = call_driver(args.python, ["--check"], timeout=120)
+    if "error" in version:
+        parser.error(version["error"])
     rows = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for size in sizes:
-            for trace in chosen["trace"]:
-                for allocator in chosen["allocator"]:
-                    for scheduler, batch in product(chosen["scheduler"], batches):
-                        cell = {"trace": trace, "allocator": allocator, "scheduler": scheduler,
-                                "size": size, "rate": args.rate}  # fmt: skip
-                        if batch is not None:
-                            cell["batch"] = batch
-                        rows.append(run_cell(cell, args, Path(tmp), len(rows)))
-                        print(" ".join(format_rows(rows[-1:]).splitlines()[-1].split()),
-                              flush=True)  # fmt: skip
-    print(f"\nwall clocks, measured side by side ({time.perf_counter() - started:.0f} s); "
-          f"{args.num_blocks} blocks, rate {args.rate:g}/s; Dynamo: {args.python}")  # fmt: skip
+        for size, trace, allocator in product(sizes, chosen["trace"], chosen["allocator"]):
+            for scheduler, batch in product(chosen["scheduler"], batches):
+                cell = {"trace": trace, "allocator": allocator, "scheduler": scheduler,
+                        "size": size, "rate": args.rate}  # fmt: skip
+                if batch is not None:
+                    cell["batch"] = batch
+                rows.append(run_cell(cell, args, Path(tmp), len(rows)))
+                print(" ".join(format_rows(rows[-1:]).splitlines()[-1].split()), flush=True)
+    print(f"\nwall clocks, measured side by side ({time.perf_counter() - started:.0f} s); rate "
+          f"{args.rate:g}/s; Dynamo: ai-dynamo-runtime {version['version']} "
+          f"({args.python})")  # fmt: skip
     print(format_rows(rows))
     errors = [r[side]["error"] for r in rows for side in ("kvbench", "dynamo")
               if "error" in r[side]]  # fmt: skip

@@ -62,7 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import product
 from pathlib import Path
 
@@ -115,7 +115,7 @@ def run_cell(overrides: list[str], out: Path) -> dict:
     """One kvbench ``run`` in this process: its figures and this process's peak RSS."""
     import pyarrow.parquet as pq
 
-    from harness.analysis.results import STEPS_FILE
+    from harness.analysis.results import REQUESTS_FILE, STEPS_FILE
     from harness.cli.run import run
 
     cfg = compose_config(overrides)
@@ -127,6 +127,7 @@ def run_cell(overrides: list[str], out: Path) -> dict:
     cpu = usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime
     rss = usage.ru_maxrss  # KiB on Linux, bytes on macOS
     steps = pq.read_table(out / STEPS_FILE, columns=["batch_size"]).column(0)
+    output = pq.read_table(out / REQUESTS_FILE, columns=["output_tokens"]).column(0)
     return {
         "wall": wall,
         "cpu": cpu,
@@ -136,6 +137,7 @@ def run_cell(overrides: list[str], out: Path) -> dict:
         "seq_steps": int(steps.to_numpy().sum()),
         "throughput": summary["request_throughput"],
         "completed": summary["completed"],
+        "output_tokens": int(output.to_numpy().sum()),
         "max_num_seqs": cfg.scheduler.max_num_seqs,
     }
 
@@ -173,12 +175,19 @@ def median_run(runs: list[dict]) -> dict:
     """A cell's figures over its repeated runs (``--repeats``): the run of median CPU per
     sequence-step (the lower middle of an even count), with how many runs there were and the
     ``spread`` of that CPU over them; the first error if any run failed."""
+    return median_of(runs, lambda r: r["cpu"] / r["seq_steps"] if r["seq_steps"] else 0.0, "cpu")
+
+
+def median_of(runs: list[dict], value: Callable[[dict], float], name: str) -> dict:
+    """The run of median ``value`` among ``runs`` (the lower middle of an even count), with
+    how many runs there were (``runs``) and the ``spread`` of that value over them
+    (``{name}_spread``); the first error if any run failed."""
     failed = [r for r in runs if "error" in r]
     if failed:
         return failed[0]
-    per = [r["cpu"] / r["seq_steps"] if r["seq_steps"] else 0.0 for r in runs]
-    middle = sorted(range(len(runs)), key=per.__getitem__)[(len(runs) - 1) // 2]
-    return runs[middle] | {"runs": len(runs), "cpu_spread": spread(per)}
+    values = list(map(value, runs))
+    middle = sorted(range(len(runs)), key=values.__getitem__)[(len(runs) - 1) // 2]
+    return runs[middle] | {"runs": len(runs), f"{name}_spread": spread(values)}
 
 
 def run_repeats(

@@ -46,6 +46,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from hashlib import blake2b
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -239,7 +240,7 @@ def write_mooncake(trace: Trace, path: str | os.PathLike, hash_block: int) -> No
     (``TraceRequest.after``) is refused: a Mooncake file's requests arrive on their own."""
     if hash_block < 1:
         raise ValueError(f"hash_block={hash_block} is invalid: tokens per hash id >= 1")
-    ids: dict[tuple[int, bytes], int] = {}
+    ids: dict[tuple[int, bytes], int] = {}  # (parent id, the block's digest) -> its id
     lines = []
     for r in trace:
         if r.after is not None:
@@ -251,7 +252,8 @@ def write_mooncake(trace: Trace, path: str | os.PathLike, hash_block: int) -> No
         tokens = np.asarray(r.prompt_token_ids, dtype=np.int64).tobytes()  # 8 bytes a token
         chain, parent = [], -1
         for at in range(0, len(tokens), 8 * hash_block):
-            parent = ids.setdefault((parent, tokens[at : at + 8 * hash_block]), len(ids))
+            digest = blake2b(tokens[at : at + 8 * hash_block], digest_size=16).digest()
+            parent = ids.setdefault((parent, digest), len(ids))
             chain.append(parent)
         record = {
             "timestamp": round(r.arrival_time * 1000.0, 6),

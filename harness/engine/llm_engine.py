@@ -401,7 +401,9 @@ class LLMEngine:
         work); ``on_device``: the tokens are its logits' argmax, left on the device."""
         forward = None
         if plan.scheduled:
-            spec = [s for s in plan.scheduled if s.num_draft_tokens]
+            spec = []  # the rows that verify drafts: only a speculating engine's have any
+            if self.proposer is not None:
+                spec = [s for s in plan.scheduled if s.num_draft_tokens]
             if spec:
                 proposals = self.proposer.propose(spec, self.outputs.sample_row)
                 step.proposals = dict(zip([s.seq for s in spec], proposals, strict=True))

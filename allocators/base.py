@@ -1,4 +1,4 @@
-"""The block-allocator contract (version 4) and the bookkeeping every allocator shares.
+"""The block-allocator contract (version 5) and the bookkeeping every allocator shares.
 
 An allocator hands out fixed-size KV blocks (``block_size`` token slots each) to
 sequences, keyed by ``seq_id``. The base class owns everything that does not
@@ -17,6 +17,13 @@ what the blocks in use need, not with the arena. ``check`` and ``dump`` stay O(a
 The hot path. A decode grows a sequence by one token per step; ``allocate`` answers
 that in O(1) from the sequence's *write limit* (the slots it can fill without a new
 block or a copy) and returns the shared ``NO_COPIES`` constant, allocating nothing.
+Growth within the write limit need not be reported at all (version 5): a caller that knows
+a sequence's ``write_limit`` (a step's running batch) asks only when a row crosses it, and
+the sequence's count stays the one last reported (``num_tokens``, ``holdings``, the tables'
+token total in ``stats``), at most its write limit, until the next ``allocate`` reports it;
+every block, fill and copy decision is the same either way, since the slots up to the write
+limit are in blocks the sequence alone holds. ``commit`` reports the growth up to its tokens
+(at most the write limit): a committed block may be shared from then on.
 ``block_table`` returns the live table, not a copy. ``stats`` reads counters kept up
 to date by every call, the tables' entries and distinct blocks among them (a reader of a
 step's sharing counts no table). ``allocate_many`` grows a step's running sequences in one call
@@ -235,11 +242,15 @@ class BlockAllocator(ABC):
     def commit(self, seq_id: str, token_ids: Sequence[int]) -> None:
         """Record that the KV of these leading tokens is written (a cache may share it)."""
         s = self._seqs.get(seq_id) or self._state(seq_id)  # _state raises for an unknown id
-        if len(token_ids) > s.num_tokens:
-            raise ValueError(
-                f"commit: {len(token_ids)} tokens exceed the {s.num_tokens} slots allocated to "
-                f"{seq_id!r}; allocate them first"
-            )
+        n = len(token_ids)
+        if n > s.num_tokens:  # growth within the write limit, unreported: reported now
+            if n > s.limit:
+                raise ValueError(
+                    f"commit: {n} tokens exceed the {s.limit} slots allocated to "
+                    f"{seq_id!r}; allocate them first"
+                )
+            self._token_slots += n - s.num_tokens
+            s.num_tokens = n
         self._commit(s, token_ids)
 
     def trim(self, seq_id: str, num_tokens: int) -> None:
@@ -338,8 +349,15 @@ class BlockAllocator(ABC):
         return self._state(seq_id).table
 
     def num_tokens(self, seq_id: str) -> int:
-        """Token slots allocated to ``seq_id``."""
+        """Token slots allocated to ``seq_id``, as last reported (growth within its write
+        limit may go unreported)."""
         return self._state(seq_id).num_tokens
+
+    def write_limit(self, seq_id: str) -> int:
+        """The slots ``seq_id`` can grow to without asking (its blocks alone hold them, so
+        ``allocate`` up to there changes nothing else): a running batch asks only when a row
+        crosses it."""
+        return self._state(seq_id).limit
 
     def held_slots(self, seq_id: str) -> int:
         """Slots of the blocks ``seq_id`` holds, region slack included (contiguous
@@ -380,6 +398,7 @@ class BlockAllocator(ABC):
             cached_blocks=cached,
             reserved_slots=self._used * self.block_size,
             used_slots=self._token_slots - self._shared_slots,
+            shared_slots=self._shared_slots,
             prefix_queries=self._prefix_queries,
             prefix_query_tokens=self._prefix_query_tokens,
             prefix_hit_tokens=self._prefix_hit_tokens,

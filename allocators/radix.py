@@ -328,7 +328,7 @@ class RadixAllocator(FreeListAllocator):
         s = self._seqs.get(seq_id)
         n = len(token_ids)
         if s is None or n > s.num_tokens:
-            super().commit(seq_id, token_ids)  # raises, naming the fix
+            super().commit(seq_id, token_ids)  # reports the growth, or raises naming the fix
         elif n >= s.commit_at:  # most calls fill no block and stop here
             self._commit(s, token_ids)
 

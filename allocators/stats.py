@@ -14,7 +14,10 @@ class AllocatorStats(NamedTuple):
     evictable, ``free_blocks`` are the rest; the three sum to ``num_blocks``.
     Slots: ``reserved_slots`` = ``used_blocks * block_size``; ``used_slots`` counts
     the token slots sequences asked for, a block shared by several sequences once
-    (its holders always agree on its fill: a shared block is copied before a write).
+    (its holders always agree on its fill: a shared block is copied before a write), as
+    their counts were last reported (contract version 5: growth within a sequence's write
+    limit may go unreported); ``shared_slots`` are the slots counted more than once, so the
+    slots a batch has written are its written total less these.
     Tables: its ``num_seqs`` sequences' block tables hold ``table_refs`` entries in all,
     which point at ``table_blocks`` distinct blocks (fewer where tables share a block:
     forks, prefix hits; a region's slack is in no table).
@@ -40,6 +43,7 @@ class AllocatorStats(NamedTuple):
     num_seqs: int
     table_refs: int
     table_blocks: int
+    shared_slots: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -1,4 +1,4 @@
-"""The allocator contract (docs/design.md section 4, version 3), checked for every allocator."""
+"""The allocator contract (docs/design.md section 4, version 5), checked for every allocator."""
 
 from __future__ import annotations
 
@@ -204,6 +204,71 @@ def test_growth_within_a_block_returns_no_copies_and_keeps_the_live_table(make) 
     assert alloc.allocate("a", 9) is NO_COPIES
     assert alloc.block_table("a") is table and len(table) == 3
     alloc.check()
+
+
+def test_the_write_limit_is_where_growth_takes_a_block(make) -> None:
+    alloc = make()
+    alloc.allocate("a", 5)
+    limit = alloc.write_limit("a")
+    assert limit == len(alloc.block_table("a")) * BS == 8  # a region's slack is not a table's
+    table = list(alloc.block_table("a"))
+    assert alloc.allocate("a", limit) is NO_COPIES and alloc.block_table("a") == table
+    assert alloc.allocate("a", limit + 1) is not None
+    assert len(alloc.block_table("a")) == len(table) + 1
+    assert alloc.write_limit("a") == 12
+
+
+@pytest.mark.parametrize("kind", sorted(PAGED))  # a region's fork copies its blocks
+def test_a_fork_leaves_its_shared_partial_block_no_write_limit(make) -> None:
+    alloc = make()
+    alloc.allocate("a", 5)
+    alloc.fork("a", "f")
+    assert alloc.write_limit("a") == alloc.write_limit("f") == 5  # the next write copies
+
+
+def test_growth_within_the_write_limit_may_go_unreported(make) -> None:
+    """Version 5: a batch that grows ``a`` by a token a step reports only its crossings;
+    every block, copy and count is then what reporting each step gives."""
+    steps = range(5, 31)
+    reported, quiet = make(num_blocks=32), make(num_blocks=32)
+    for alloc in (reported, quiet):
+        alloc.allocate("a", 5)
+        alloc.allocate("b", 3)
+    for n in steps:
+        got = reported.allocate("a", n)
+        assert got is not None
+        if n > quiet.write_limit("a"):  # the same blocks and copies (a region relocates)
+            assert quiet.allocate("a", n) == got
+        else:  # counted as last reported, at most the write limit
+            assert quiet.num_tokens("a") <= n <= quiet.write_limit("a")
+    quiet.check()
+    assert quiet.block_table("a") == reported.block_table("a")
+    stale = quiet.num_tokens("a")
+    assert stale < steps[-1]
+    shared = quiet.stats().shared_slots
+    assert quiet.stats().used_slots == stale + 3 - shared  # the counts as reported
+    assert quiet.allocate("a", steps[-1]) is NO_COPIES  # a late report: nothing else moves
+    assert snapshot(quiet, ["a", "b"]) == snapshot(reported, ["a", "b"])
+
+
+def test_commit_reports_the_growth_it_covers(make) -> None:
+    alloc = make()
+    alloc.allocate("a", 5)
+    alloc.commit("a", list(range(8)))  # up to the write limit, unreported
+    assert alloc.num_tokens("a") == 8 and alloc.stats().used_slots == 8
+    alloc.check()
+    with pytest.raises(ValueError, match="commit: 9 tokens exceed the 8 slots"):
+        alloc.commit("a", list(range(9)))
+
+
+@pytest.mark.parametrize("kind", sorted(PAGED))  # a region's fork copies its blocks
+def test_shared_slots_are_the_slots_counted_twice(make) -> None:
+    alloc = make()
+    alloc.allocate("a", 5)
+    assert alloc.stats().shared_slots == 0
+    alloc.fork("a", "f")
+    stats = alloc.stats()
+    assert stats.shared_slots == 5 and stats.used_slots == 5  # the tables' 10 less the 5
 
 
 def test_allocate_at_or_below_the_current_count_is_a_no_op(make) -> None:

@@ -17,6 +17,11 @@ leave the state, of the same requests passed to ``allocate`` one by one on a cop
 the allocator (a differential check). ``stats`` counts the tables' entries and distinct
 blocks as the model's tables have them.
 
+Growth within a sequence's write limit may go unreported (contract version 5): a rule
+writes such tokens without asking the allocator, which then counts the sequence as last
+reported; the caller reports before a fork or a trim, a commit reports what it covers, and
+every other call works on the count as it is.
+
 For the radix allocator the model keeps its own prefix index (full-block token prefix
 -> block): ``commit`` adds to it, a block that shows up new in a table was evicted (or
 was never indexed), and ``match_prefix`` must return the longest indexed prefix.
@@ -67,6 +72,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.alloc = self.make()
         self.tokens: dict[str, list[int]] = {}  # what each live sequence has written
+        self.reported: dict[str, int] = {}  # its count as the allocator knows it
         self.arena: dict[int, list[int | None]] = {}
         self.index: dict[tuple[int, ...], int] = {}  # cached full-block prefix -> block
         self.prompts: list[list[int]] = []  # token lists committed so far
@@ -83,8 +89,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         for src, dst in result.copies:
             self.arena[dst] = list(sources[src])
 
-    def write(self, seq: str, result: Allocation, new_tokens: list[int]) -> None:
-        """Apply the copies, then write the new tokens into their slots, as the engine does."""
+    def write(
+        self, seq: str, result: Allocation, new_tokens: list[int], reported: bool = True
+    ) -> None:
+        """Apply the copies, then write the new tokens into their slots, as the engine does;
+        ``reported``: the allocator was told (else they are within the write limit)."""
         self.copy(result)
         table = self.alloc.block_table(seq)
         start = len(self.tokens[seq])
@@ -92,6 +101,13 @@ class AllocatorMachine(RuleBasedStateMachine):
             block = table[pos // BLOCK_SIZE]
             self.arena.setdefault(block, [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = token
         self.tokens[seq].extend(new_tokens)
+        if reported:
+            self.reported[seq] = len(self.tokens[seq])
+
+    def report(self, seq: str) -> None:
+        """Tell the allocator the growth it was not told of (before a fork or a trim)."""
+        assert self.alloc.allocate(seq, len(self.tokens[seq])) is NO_COPIES
+        self.reported[seq] = len(self.tokens[seq])
 
     def allocate(self, seq: str, num_tokens: int) -> Allocation | None:
         """``allocate``, held to ``blocks_needed`` and ``can_allocate`` asked just before."""
@@ -156,6 +172,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert matched == (self.expected_match(prompt) if self.caches else 0)
             # The invariant then checks the shared blocks already hold the prompt's tokens.
             self.tokens[seq] = list(prompt[:matched])
+            self.reported[seq] = matched
             result = self.allocate(seq, len(prompt))  # on failure seq keeps its matched prefix
             assert (result is not None) == can, f"can_allocate with token_ids said {can}"
             if result is not None:
@@ -190,6 +207,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         seq = self.pick(data)
         if seq is not None:
             self.grow(seq, new_tokens)
+
+    @rule(data=st.data(), new_tokens=TOKENS, commit=st.booleans())
+    def extend_quietly(self, data: st.DataObject, new_tokens: list[int], commit: bool) -> None:
+        """A running batch's decodes: tokens written up to the write limit, unreported;
+        ``commit``: then all it wrote is committed (a block filled), which reports them."""
+        seq = self.pick(data)
+        if seq is not None:
+            room = self.alloc.write_limit(seq) - len(self.tokens[seq])
+            self.write(seq, NO_COPIES, new_tokens[: max(room, 0)], reported=False)
+            if commit:
+                self.commit_tokens(seq, self.tokens[seq])
 
     @rule(data=st.data(), grows=st.lists(TOKENS, min_size=1, max_size=5), new=TOKENS)
     def extend_many(self, data: st.DataObject, grows: list[list[int]], new: list[int]) -> None:
@@ -234,6 +262,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def commit_tokens(self, seq: str, committed: list[int]) -> None:
         self.alloc.commit(seq, committed)
+        self.reported[seq] = max(self.reported[seq], len(committed))  # reported by it
         if len(committed) >= BLOCK_SIZE and len(self.prompts) < 8:
             self.prompts.append(committed)
         if self.caches:  # index the full blocks, up to one whose tokens another block holds
@@ -255,6 +284,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         seq = self.pick(data)
         if seq is None:
             return
+        self.report(seq)
         written = self.tokens[seq]
         keep = data.draw(st.integers(0, len(written)))
         block = self.alloc.block_table(seq)[keep // BLOCK_SIZE] if keep % BLOCK_SIZE else None
@@ -271,6 +301,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         self.alloc.trim(seq, keep)
         del written[keep:]
+        self.reported[seq] = keep
 
     @rule(data=st.data(), new_tokens=TOKENS)
     def fork(self, data: st.DataObject, new_tokens: list[int]) -> None:
@@ -279,6 +310,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if parent is None or len(self.tokens) >= 6:
             return
         self.next_id += 1
+        self.report(parent)
         before = self.snapshot()
         result = self.alloc.fork(parent, child)
         if result is None:
@@ -287,13 +319,14 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         self.copy(result)
         self.tokens[child] = list(self.tokens[parent])
+        self.reported[child] = len(self.tokens[child])
         self.grow(child, new_tokens)
 
     def release(self, seq: str) -> None:
         reclaimable, free = self.alloc.reclaimable_blocks(seq), self.alloc.num_free_blocks()
         given_back = self.alloc.free(seq)
         assert given_back == reclaimable == self.alloc.num_free_blocks() - free
-        del self.tokens[seq]
+        del self.tokens[seq], self.reported[seq]
 
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
@@ -321,12 +354,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert stats.used_slots <= stats.reserved_slots
         fill: dict[int, int] = {}  # slots in use per block; a shared block counts once
         for seq, written in self.tokens.items():
-            table = alloc.block_table(seq)
-            assert len(table) == blocks(len(written)) and alloc.num_tokens(seq) == len(written)
+            table, reported = alloc.block_table(seq), self.reported[seq]
+            assert len(table) == blocks(len(written)) and alloc.num_tokens(seq) == reported
+            assert reported <= len(written) <= alloc.write_limit(seq)
             read = [self.arena[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(len(written))]
             assert read == written, f"{seq} reads {read}, wrote {written}"
-            for i, block in enumerate(table):
-                in_block = min(BLOCK_SIZE, len(written) - i * BLOCK_SIZE)
+            for i, block in enumerate(table):  # the fill as reported: the allocator's count
+                in_block = min(BLOCK_SIZE, reported - i * BLOCK_SIZE)
                 fill[block] = max(fill.get(block, 0), in_block)
             held, in_table = alloc.held_slots(seq), len(table) * BLOCK_SIZE
             assert held == in_table if self.paged else held >= in_table  # regions: slack

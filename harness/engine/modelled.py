@@ -4,7 +4,7 @@ The same LLMEngine, allocators, schedulers, recorder and metrics run; only what 
 step changes. ``shape_model`` (``model=shape model.config=PATH``) is a model without
 weights: its config.json's shape, all the model clock needs. ``ModelledRunner`` stands in
 for the model behind the ``Runner`` seam: from the step's shape (``StepShape``, lists of ints; no
-``Row`` is built) it counts the step's work (``forward_work``, the same counts the real
+``Row`` is built) it counts the step's work (``count_work``, the same counts the real
 runner reports) and chooses the tokens, and ``ModelClock`` advances by
 the profile's price of that work
 (harness/costmodel). Nothing is timed, so a replay gives the same tables on any machine,
@@ -32,7 +32,7 @@ from harness.costmodel.work import TIERS, StepWork
 from harness.engine.clock import VirtualClock
 from harness.engine.model_runner import Forward
 from harness.engine.speculative import Proposal, RowFor
-from harness.engine.step_shape import StepShape, forward_work, group_rows
+from harness.engine.step_shape import StepShape, count_work
 from harness.platform.models import LoadedModel
 from schedulers.output import Scheduled, SchedulerOutput
 
@@ -159,7 +159,7 @@ class ModelledRunner:
     ``key_cost`` groups rows into padded batches as the real runner would for this model
     (``ModelRunner.key_cost``), so the counts are the ones a real step would have; a model
     with sliding-window layers of ``window`` tokens has its window layers' reads counted
-    too, from its rows' starts (``forward_work``).
+    too, from its rows' starts (``count_work``).
 
     ``verifies``: its steps may verify drafts (a speculative engine), whose acceptance draws
     come from the same generator between the steps' token draws. Without, the tokens are
@@ -194,8 +194,8 @@ class ModelledRunner:
         queries = shape.queries
         contexts = list(map(add, shape.starts, queries))
         logit_rows = sum(shape.num_logits)
-        groups = group_rows(queries, contexts, self.key_cost)
-        work = forward_work(queries, contexts, logit_rows, groups, self.block_size, self.window)
+        key_cost, window = self.key_cost, self.window
+        work = count_work(queries, contexts, logit_rows, key_cost, self.block_size, window)
         return Forward(None, 0.0, 0.0, work, tokens=self._tokens(shape, logit_rows))
 
     def _tokens(self, shape: StepShape, logit_rows: int) -> np.ndarray:

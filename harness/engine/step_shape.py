@@ -163,6 +163,27 @@ def _greedy(
     return groups
 
 
+def count_work(
+    queries: list[int],
+    contexts: list[int],
+    logit_rows: int,
+    key_cost: float,
+    block_size: int,
+    window: int | None = None,
+) -> StepWork:
+    """``forward_work`` of the rows as ``group_rows`` groups them, for a runner that counts
+    and runs nothing (the model clock): which rows a group holds does not change the counts,
+    so rows of one length that all join one group (a decode step's, most often) are found
+    so from their contexts sorted, without ordering the rows themselves."""
+    n = len(queries)
+    one_length = n and n < _VECTOR_MIN and min(queries) == max(queries)
+    if one_length and _one_group(queries[0], sorted(contexts), key_cost):
+        groups: Sequence[Sequence[int]] = (range(n),)
+    else:
+        groups = group_rows(queries, contexts, key_cost)
+    return forward_work(queries, contexts, logit_rows, groups, block_size, window)
+
+
 def forward_work(
     queries: list[int],
     contexts: list[int],

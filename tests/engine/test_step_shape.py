@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from harness.engine.modelled import ModelledRunner
-from harness.engine.step_shape import GROUP_COST, StepShape, forward_work, group_rows
+from harness.engine.step_shape import (
+    GROUP_COST,
+    StepShape,
+    count_work,
+    forward_work,
+    group_rows,
+)
 
 KEY = 1 / 1024
 
@@ -120,6 +126,24 @@ def test_short_steps_of_one_length_group_as_the_rule_says():
         splits += len(expected) > 1
         assert group_rows([q] * n, contexts, key) == expected, case
     assert 30 < splits < 270  # both kinds of step were tried
+
+
+def test_the_counts_alone_are_those_of_the_groups_rows():
+    """``count_work`` (the model clock's) counts what ``forward_work`` counts over
+    ``group_rows``' groups: steps of one length that join one group or split, mixed steps,
+    long runs, a window model's reads."""
+    rng = np.random.default_rng(12)
+    for case in range(300):
+        n = int(rng.integers(1, 130))
+        mixed = case % 4 == 3
+        queries = rng.integers(1, 64, n).tolist() if mixed else [[1, 8][case % 2]] * n
+        top = [50, 2_000, 60_000][case % 3]
+        contexts = [q + int(c) for q, c in zip(queries, rng.integers(0, top, n), strict=True)]
+        key = [KEY, 1 / 256, 1 / 16384][case % 3]
+        window = 64 if case % 5 == 0 else None
+        groups = group_rows(queries, contexts, key)
+        expected = forward_work(queries, contexts, n, groups, 16, window)
+        assert count_work(queries, contexts, n, key, 16, window) == expected, case
 
 
 def test_decode_rows_on_the_edge_of_joining_group_as_the_rule_says():

@@ -37,16 +37,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from itertools import chain, repeat
-from operator import attrgetter
+from itertools import chain, compress, repeat
+from operator import attrgetter, ge
 
 from allocators.base import NO_COPIES, Allocation, BlockAllocator, blocks_for
 from schedulers.admission import fits, never_fits, take_blocks, write_back
+from schedulers.batch import RunningBatch
 from schedulers.kv_groups import DraftKV, WindowRings
 from schedulers.limits import check_limits
 from schedulers.lookahead import Lookahead
 from schedulers.output import (  # noqa: F401  (re-exported: part of the contract)
     INFLIGHT,
+    BatchStep,
     Fork,
     KVStats,
     Preemption,
@@ -79,6 +81,9 @@ class Scheduler(ABC):
     chunked_prefill = False
     prefill_first = False
     max_chunk: int | None = None  # the most tokens a row computes (None: all uncomputed)
+    # Its steps whose rows all decode may run over the running batch (``schedule_batch``):
+    # the policy's hooks change nothing in such a step (running order, chunks, make_room).
+    batches = False
 
     def __init__(
         self,
@@ -142,6 +147,21 @@ class Scheduler(ABC):
         # The last all-decode order's rows and ids (``_whole_rows``): a named tuple a row is
         # the costliest part of a step's plan, and most steps repeat the one before.
         self._last_decodes: tuple[list[Request], list[Scheduled], list[str]] = ([], [], [])
+        # The running rows as columns, for steps whose rows all decode (``schedule_batch``):
+        # a policy that orders, chunks or preempts no differently from the base's decode-first
+        # step, over a paged allocator (a row's growth takes one block, never a copy).
+        self.batch: RunningBatch | None = None
+        if (
+            self.batches
+            and not self.prefill_first
+            and not allocator.fragments_free_space
+            and not allocator.has_lower_tiers
+            and self.draft is None
+            and self.rings is None
+            and self.lookahead is None
+        ):
+            length_limit, max_seq_len = self.progress.stopping.length_limit, self.max_seq_len
+            self.batch = RunningBatch(allocator, lambda seq: length_limit(seq, max_seq_len))
 
     # -- requests in and out -------------------------------------------------------------
     def add(self, seq: Request, restored: int = 0, keep_kv: bool = False) -> None:
@@ -160,6 +180,7 @@ class Scheduler(ABC):
     def abort(self, request_id: str, now: float, reason: str) -> Request | None:
         """Stop a request in any state, its blocks free when this returns; None if it is not
         here. A token still on the device (pipelined steps) is never emitted."""
+        self._batch_stale()
         seq = self.draining.get(request_id)
         if seq is None:
             seq = next((s for s in self.unfinished() if s.request_id == request_id), None)
@@ -316,6 +337,7 @@ class Scheduler(ABC):
     # -- the step decision ---------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         """Decide one step at time ``now`` (see the module docstring)."""
+        self._batch_stale()
         out = SchedulerOutput()
         out.hold_until = self._hold_until(now)
         if out.hold_until is not None:
@@ -341,6 +363,101 @@ class Scheduler(ABC):
             self.lookahead.widen(out, budget, len(self.running) + self.watermark_blocks)
         out.tier_moves = self.allocator.drain_tier_moves()  # lower KV tiers, in order
         return out
+
+    def _batch_stale(self) -> None:
+        """The running rows change outside a batch step: the batch reads them again."""
+        if self.batch is not None:
+            self.batch.stale = True
+
+    def schedule_batch(self, now: float) -> BatchStep | None:
+        """``schedule`` of a step over the running batch (``RunningBatch``), for a policy
+        whose step it is (``batches``): the rows that decode each compute one token, those
+        still in their prompt a chunk each in the budget left (chunked prefill), and
+        requests come in as ``schedule`` lets them (``_bring_in``). Only rows that cross
+        their write limit ask the allocator (contract version 5: the general step's
+        ``allocate_many`` gives the same blocks in the same order).
+
+        None, deciding nothing, when the step is another kind: a row that may stop on a
+        token, rows out of the order the batch keeps, memory short of the decodes' blocks (a
+        preemption), queues or holds the batch does not keep; then ``schedule`` decides it."""
+        batch = self.batch
+        if (
+            batch is None
+            or not self.running
+            or self.swapped
+            or self.parked
+            or self.draining
+            or self.restored
+        ):
+            return None
+        if batch.stale and not batch.read(self.running):
+            return None
+        seqs, limits, d = batch.seqs, batch.limits, batch.decodes
+        left = self.max_num_batched_tokens - d
+        if left < 0:
+            return None
+        starts = [seq.num_computed_tokens for seq in seqs[:d]]
+        # A decode writes slot ``start``: past its write limit it takes a block (paged: one,
+        # never a copy).
+        crossing = list(compress(range(d), map(ge, starts, limits)))
+        events = None
+        if d < len(seqs):  # prompts in progress, a chunk each while the budget lasts
+            events = SchedulerOutput()
+            chunk = self._chunk
+            for row in range(d, len(seqs)):
+                if left <= 0:
+                    break
+                seq = seqs[row]
+                n = chunk(seq, left)
+                if n > 0:
+                    end = seq.num_computed_tokens + n
+                    if end > limits[row]:
+                        return None  # not its blocks from admission: the general step
+                    events.scheduled.append(Scheduled(seq, n, end == len(seq.token_ids)))
+                    left -= n
+        if crossing:
+            alloc = self.allocator
+            if len(crossing) > alloc.num_free_blocks():
+                return None  # someone is preempted: the general step decides whom
+            ids = batch.ids
+            got = alloc.allocate_many([(ids[i], starts[i] + 1) for i in crossing])
+            if got.count(NO_COPIES) != len(crossing):
+                raise RuntimeError("a decode took a copy, or no block with blocks free")
+            for i in crossing:
+                batch.grew(i)
+        if self.waiting and len(seqs) < self.max_num_seqs:
+            events = events or SchedulerOutput()
+            chunks = len(events.scheduled)
+            self._bring_in(events, left, now, reserve=0)
+            if events.swapped_in:
+                raise RuntimeError("a batch step swapped a sequence in")
+            for row in events.scheduled[chunks:]:
+                batch.admit(row.seq)
+        return BatchStep(starts, events)
+
+    def update_batch(self, step: BatchStep, tokens: list[int], now: float) -> None:
+        """``update`` of a ``schedule_batch`` step: its decodes' tokens (the first of
+        ``tokens``, in row order) and its other rows' (``step.events``: chunks, admitted
+        prompts; the rest), all on the host at ``now``. A sequence that stops finishes, its
+        row dropped."""
+        batch, progress = self.batch, self.progress
+        n = len(step.starts)
+        seqs = batch.seqs
+        rows = progress.decode(seqs[:n], tokens, now, batch.stop_at)
+        stopped = [(seqs[i], "length", None) for i in rows]
+        events = step.events
+        if events is not None and events.scheduled:
+            progress.advance(events, {})
+            sampled = [row.seq for row in events.scheduled if row.samples]
+            for seq, (reason, why) in progress.append_each(sampled, tokens[n:], now):
+                rows.append(seqs.index(seq, n))
+                stopped.append((seq, reason, why))
+        if rows:
+            batch.drop(rows)
+        if events is not None:
+            batch.settle()
+        for seq, reason, why in stopped:
+            self.finish(seq, reason, now, stop_reason=why)
 
     def _stalled_by_parked(self) -> bool:
         """Parked sequences hold blocks while others wait to come in."""

@@ -21,8 +21,10 @@ class FCFSScheduler(Scheduler):
     def __init__(self, allocator: BlockAllocator, *, order: str = "decode_first", **kwargs):
         if order not in ORDERS:
             raise ValueError(f"scheduler.order={order!r}: use one of {list(ORDERS)}")
-        super().__init__(allocator, **kwargs)
         self.prefill_first = order == "prefill_first"
+        super().__init__(allocator, **kwargs)
+
+    batches = True  # decode-first: its decodes run as the base's (schedule_batch)
 
     def _victim(self, candidates: list[Request]) -> Request:
         return max(candidates, key=self.running.index)

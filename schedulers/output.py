@@ -100,6 +100,16 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+class BatchStep(NamedTuple):
+    """A step of the running batch (``Scheduler.schedule_batch``): its first rows are the
+    batch's, each decoding one token from position ``starts[i]``; ``events`` (None when no
+    request was let in) holds the rows of the requests admitted this step, after those, and
+    the requests rejected."""
+
+    starts: list[int]
+    events: SchedulerOutput | None
+
+
 class Fork(NamedTuple):
     """``child`` joined ``parent`` on its KV (``Scheduler.fork``): the block copies the
     allocator asked for (copy-on-write, a region's copy) and, for a model with sliding-window

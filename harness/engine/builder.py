@@ -60,6 +60,7 @@ def build_engine(
     pipeline: bool = False,
     logprobs_mode: LogprobsMode = "raw_logprobs",
     kv_tier: KVTier | None = None,
+    batch_steps: bool = True,
 ) -> LLMEngine:
     """Size the arena (from ``num_blocks`` or a byte budget), then build the parts.
 
@@ -91,8 +92,8 @@ def build_engine(
     ``clock``: ``virtual`` or ``wall`` (harness/engine/clock.py), or ``model``: no model
     forward, each step priced by the cost ``profile`` file (harness/engine/modelled.py),
     speculative drafts accepted with probability ``acceptance`` (default: the profile's
-    measured rate). ``seed``, ``record``, ``pipeline`` and ``logprobs_mode`` are
-    ``LLMEngine``'s.
+    measured rate). ``seed``, ``record``, ``pipeline``, ``logprobs_mode`` and
+    ``batch_steps`` are ``LLMEngine``'s.
 
     ``kv_tier``: lower tiers under the prefix cache (the ``kv_tier`` group; a radix
     allocator's): the target's allocator is built with them, never the draft's. The real
@@ -233,6 +234,7 @@ def build_engine(
             record=record,
             logprobs_mode=logprobs_mode,
             kv_format=kv_format,
+            batch_steps=batch_steps,
         )
     proposer = None
     if isinstance(speculative, NGram):

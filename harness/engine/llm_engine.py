@@ -43,7 +43,7 @@ from harness.engine.model_runner import Forward, ModelRunner, Row, Runner
 from harness.engine.modelled import step_work
 from harness.engine.outputs import OutputProcessor, prompt_positions
 from harness.engine.pipeline import Pipeline
-from harness.engine.recorder import Recorder
+from harness.engine.recorder import Recorder, Snapshot
 from harness.engine.request import RequestOutput, Seq
 from harness.engine.request_table import RequestTable
 from harness.engine.sampling import argmax_on_host
@@ -56,9 +56,12 @@ from harness.engine.tier_kv import TierKV
 from harness.engine.window import WindowTables
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
-from schedulers.output import StepResults
+from schedulers.output import BatchStep, StepResults
 from schedulers.request import Status
 from schedulers.stats import kv_stats
+
+_NO_EVENTS = SchedulerOutput()  # a batch step's plan when nothing comes in: read, never changed
+_NOT_MOVED = Moved()
 
 
 class LLMEngine:
@@ -83,6 +86,7 @@ class LLMEngine:
         logprobs_mode: LogprobsMode = "raw_logprobs",
         kv_format: KVFormat = UNQUANTIZED,
         kv_tier: KVTier | None = None,
+        batch_steps: bool = True,
     ) -> None:
         """``logprobs_mode`` (vLLM's, engine-wide as there): what ``SamplingParams.logprobs``
         report, raw (before any processing, the default) or processed (what the token was
@@ -100,7 +104,11 @@ class LLMEngine:
         ``close`` removes that folder unless ``kv_tier.keep``.
 
         ``pipeline``: steps one deep (harness/engine/pipeline.py; off by default: on MLX's
-        CPU build pipelined decode measured 1-25 % slower, side by side, docs/design.md)."""
+        CPU build pipelined decode measured 1-25 % slower, side by side, docs/design.md).
+
+        ``batch_steps``: a step the scheduler can decide over its running batch does so
+        (``Scheduler.schedule_batch``, on the model clock); off, every step takes the
+        general path, the reference a batch step's tables are checked against."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"engine.logprobs_mode={logprobs_mode!r} is invalid: it must be one of "
@@ -168,6 +176,7 @@ class LLMEngine:
             logits=runner.computes_logits,
         )
         self.pipeline = Pipeline(scheduler, self.requests) if pipeline else None
+        self.batch_steps = batch_steps
         # The class's function: a bound method kept by its engine is a cycle (freed by GC).
         self._step_fn = LLMEngine._pipelined_step if pipeline else LLMEngine._plain_step
 
@@ -290,6 +299,10 @@ class LLMEngine:
         """
         with self.lock:
             start, now = time.perf_counter(), self.clock.now()
+            if self._batches():
+                batch_step = self.scheduler.schedule_batch(now)
+                if batch_step is not None:
+                    return self._batch_step(batch_step, start, now)
             plan = self.scheduler.schedule(now)
             outputs = self._collect_owed(plan)
             moved = self.host.move_blocks(plan)
@@ -297,6 +310,79 @@ class LLMEngine:
             self._wait_for_batch(plan, next_arrival)
             # One output per request: its completions progress together (n > 1).
             return list({out.request_id: out for out in outputs}.values())
+
+    def _batches(self) -> bool:
+        """Whether this step may run over the scheduler's running batch (``_batch_step``):
+        a model clock's step (its shape is all the runner reads) of sequences alone (n = 1,
+        no beam), nothing owed; no draft, window or pipeline."""
+        requests = self.requests
+        return not (
+            not self.batch_steps
+            or self.scheduler.batch is None
+            or self.runner.computes_logits
+            or self.proposer is not None
+            or self.pipeline is not None
+            or self.window is not None
+            or requests.groups
+            or requests.beams
+            or requests.owed
+        )
+
+    def _batch_step(self, step: BatchStep, start: float, now: float) -> list[RequestOutput]:
+        """A step the scheduler decided over its running batch (``schedule_batch``): its
+        shape from the batch's columns, priced and its tokens drawn by the runner, the
+        results handed back (``update_batch``) and its row recorded, as ``_plain_step`` does
+        for any plan, without a per-row object."""
+        scheduler, batch = self.scheduler, self.scheduler.batch
+        starts = step.starts
+        n = len(starts)
+        queries, num_logits = [1] * n, [1] * n
+        events = step.events or _NO_EVENTS
+        outputs, moved = [], _NOT_MOVED
+        if step.events is not None:
+            outputs = self._collect_owed(events)  # rejections
+            moved = self.host.move_blocks(events)
+            starts = list(starts)
+            for row in events.scheduled:
+                queries.append(row.num_new_tokens)
+                starts.append(row.seq.num_computed_tokens)
+                num_logits.append(int(row.samples))
+        forward = self.runner.forward(StepShape(queries, starts, num_logits, {}))
+        work = step_work(events, forward.work, False)
+        self.clock.charge(work)
+        snapshot = None
+        if self.recorder.enabled:
+            written = [c + 1 for c in step.starts]
+            prefill = sum(queries) - n
+            if step.events is not None:  # the rows past the decodes: chunks, admissions
+                fed = {row.seq: row.num_new_tokens for row in events.scheduled}
+                for seq in batch.seqs[n:]:
+                    written.append(seq.num_computed_tokens + fed.get(seq, 0))
+                for row in events.scheduled:  # prompt tokens, unless one row computes the
+                    seq = row.seq  # one token left past its prompt (a recompute's hit)
+                    computed = seq.num_computed_tokens
+                    if row.num_new_tokens == 1 and computed == len(seq.token_ids) - 1:
+                        prefill -= computed >= seq.num_prompt_tokens
+            snapshot = self.recorder.snapshot_batch(
+                self.allocator.stats(),
+                batch.seqs,
+                batch.preempts,
+                list(batch.held),
+                written,
+                prefill,
+                sum(queries) - prefill,
+                len(scheduler.waiting),
+            )
+        tokens = forward.tokens.tolist()
+        done = self.clock.after(time.perf_counter() - start)
+        sampled = batch.seqs[:n]
+        if step.events is not None:
+            sampled += [row.seq for row in events.scheduled if row.samples]
+        scheduler.update_batch(step, tokens, done)
+        self._settle()
+        outputs += self._report(sampled)
+        self._record(events, snapshot, now, moved, forward, work, StepState(start))
+        return outputs
 
     def _collect_owed(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Outputs of aborts since the last step and of the requests the scheduler rejected
@@ -434,7 +520,7 @@ class LLMEngine:
             step.waited += time.perf_counter() - launched
         return forward, work
 
-    def _snapshot(self, plan: SchedulerOutput, step: StepState) -> dict | None:
+    def _snapshot(self, plan: SchedulerOutput, step: StepState) -> Snapshot | None:
         """The step's memory and queues, taken while its forward computes."""
         stats = kv_stats(self.scheduler) if self.recorder.enabled else None
         proposed = {seq: len(p.tokens) for seq, p in step.proposals.items()}

@@ -22,13 +22,14 @@ last step.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import chain, repeat
-from operator import attrgetter, itemgetter, sub
+from operator import attrgetter, sub
 
 import mlx.core as mx
 import numpy as np
 
+from allocators.stats import AllocatorStats
 from harness.analysis.metrics import REQUEST_SCHEMA, STEP_SCHEMA
 from harness.costmodel.work import COLUMNS, StepWork
 from harness.engine.request import Seq
@@ -37,7 +38,7 @@ from schedulers.output import KVStats, SchedulerOutput
 
 _TYPECODES = {"int": "q", "float": "d"}  # a column's array, by its kind
 
-# A step row's columns by who gives them: ``Recorder.snapshot`` (its dict's keys), the step's
+# A step row's columns by who gives them: ``Recorder.snapshot`` (its values' order), the step's
 # ``StepWork`` (work.COLUMNS) and ``Recorder.step`` itself (in the order it lists them); each
 # STEP_SCHEMA column once.
 _SNAPSHOT_COLUMNS = (
@@ -85,8 +86,10 @@ _ROW_COLUMNS = (*_SNAPSHOT_COLUMNS, *COLUMNS, *_STEP_OWN_COLUMNS)
 _ALL_COLUMNS = (*_ROW_COLUMNS, *_SETTLED_COLUMNS)
 if sorted(_ALL_COLUMNS) != sorted(STEP_SCHEMA):  # a column added to one place, not the other
     raise ImportError(f"recorder: step columns {sorted(set(_ALL_COLUMNS) ^ set(STEP_SCHEMA))}")
-_SNAPSHOT_VALUES = itemgetter(*_SNAPSHOT_COLUMNS)
 _WORK_VALUES = attrgetter(*COLUMNS)
+# A step's snapshot as ``Recorder.step`` takes it: its ``_SNAPSHOT_COLUMNS`` values, and its
+# internal slots before any settles (its future slots start at 0).
+Snapshot = tuple[tuple, int]
 _NO_VERIFICATIONS = Verifications()
 
 
@@ -237,7 +240,7 @@ class Recorder:
 
     def snapshot(
         self, stats: KVStats | None, plan: SchedulerOutput, proposed: Mapping[Seq, int]
-    ) -> dict | None:
+    ) -> Snapshot | None:
         """The step's KV memory, token split and queue figures, from the scheduler's
         ``stats`` (None when recording is off). Taken after scheduling and before the step's
         outputs are processed (while its forward computes, so the bookkeeping overlaps the
@@ -249,9 +252,6 @@ class Recorder:
         blocks = stats.blocks
         running = stats.running
         fed, new, fed_total = _rows(plan, proposed, running)
-        index = self._num_steps  # this step's row
-        holdings = stats.holdings
-        live = self._live
         written: list[int] = []  # slots written by the step's end
         preempts: list[int] = []
         decodes = 0
@@ -264,9 +264,71 @@ class Recorder:
             # tokens, even a 1-token chunk.
             if f == 1 and computed == len(seq.token_ids) - 1 and computed >= seq.num_prompt_tokens:
                 decodes += 1
-        ids = self._holding_ids(running, preempts)
-        self._entries.add(ids, index, holdings.held_slots, written)
+        holdings = stats.holdings
         unwritten = sum(holdings.num_tokens) - sum(written)  # allocated, not written by the end
+        return self._snapshot(
+            blocks,
+            running,
+            preempts,
+            holdings.held_slots,
+            written,
+            blocks.used_slots - unwritten,
+            fed_total - decodes,
+            sum(new) - fed_total + decodes,
+            (stats.num_waiting, stats.num_swapped, stats.unusable_free_blocks),
+            (stats.draft_blocks_used, stats.window_blocks_used),
+        )
+
+    def snapshot_batch(
+        self,
+        blocks: AllocatorStats,
+        running: Sequence[Seq],
+        preempts: list[int],
+        held: list[int],
+        written: list[int],
+        prefill: int,
+        decode: int,
+        num_waiting: int,
+    ) -> Snapshot | None:
+        """``snapshot`` of a running batch's step (``Scheduler.schedule_batch``), from its
+        columns: per running sequence its preemptions, held slots and slots written by the
+        step's end (lists the recorder keeps); its ``prefill`` and ``decode`` tokens. A
+        paged allocator's, with no draft or window blocks, nothing swapped and no unusable
+        free block."""
+        if not self.enabled:
+            return None
+        self._open()
+        return self._snapshot(
+            blocks,
+            running,
+            preempts,
+            held,
+            written,
+            sum(written) - blocks.shared_slots,  # the slots written, a shared one once
+            prefill,
+            decode,
+            (num_waiting, 0, 0),
+            (0, 0),
+        )
+
+    def _snapshot(
+        self,
+        blocks: AllocatorStats,
+        running: Sequence[Seq],
+        preempts: list[int],
+        held: list[int],
+        written: list[int],
+        tokens: int,
+        prefill: int,
+        decode: int,
+        queues: tuple[int, int, int],
+        others: tuple[int, int],
+    ) -> Snapshot:
+        """The step's row of ``snapshot`` from its parts; its holdings' entries kept."""
+        index = self._num_steps  # this step's row
+        live = self._live
+        ids = self._holding_ids(running, preempts)
+        self._entries.add(ids, index, held, written)
         # Allocations live at the previous step and not now have ended: they settle
         # ``_SETTLE_BATCH`` at a time (``_settle``: in any order, the same columns).
         if len(live) > len(running):  # some ended (every running one is live)
@@ -275,12 +337,10 @@ class Recorder:
             self._ended += [live.pop(key) for key in ended]
             if len(self._ended) >= _SETTLE_BATCH:
                 self._settle_ended()
-        tokens = blocks.used_slots - unwritten
+        num_waiting, num_swapped, unusable = queues
         # External fragmentation as the vLLM paper means it: free blocks that cannot serve
         # the request next in line (runs or buddies too small for its region).
-        unusable = stats.unusable_free_blocks
         bs = blocks.block_size
-        prefill = fed_total - decodes
         # The sharing of the running tables, the allocator's count: its sequences are the
         # running ones (the scheduler allocates on admission and frees on leaving).
         if blocks.num_seqs != len(running):
@@ -289,33 +349,36 @@ class Recorder:
                 "scheduler must free a sequence's blocks when it stops running"
             )
         refs = blocks.table_refs  # table entries: a block once per table that holds it
-        return dict(
-            prefill_tokens=prefill,
-            decode_tokens=sum(new) - prefill,
-            num_waiting=stats.num_waiting,
-            num_running=len(running),
-            num_swapped=stats.num_swapped,
-            blocks_used=blocks.used_blocks,
-            blocks_free=blocks.free_blocks,
-            blocks_cached=blocks.cached_blocks,
-            block_refs=refs,
-            blocks_shared=refs - blocks.table_blocks,
-            slots_tokens=tokens,
-            slots_future=0,  # completed as the allocations live now end (_settle)
-            slots_internal=blocks.reserved_slots - tokens,
-            slots_external=unusable * bs,
-            slots_total=blocks.num_blocks * bs,
-            external_fragmentation=unusable / blocks.free_blocks if blocks.free_blocks else 0.0,
-            draft_blocks_used=stats.draft_blocks_used,
-            window_blocks_used=stats.window_blocks_used,
-            mlx_active_bytes=mx.get_active_memory() if self.measured else 0,
+        values = (  # _SNAPSHOT_COLUMNS' order
+            prefill,
+            decode,
+            num_waiting,
+            len(running),
+            num_swapped,
+            blocks.used_blocks,
+            blocks.free_blocks,
+            blocks.cached_blocks,
+            refs,
+            refs - blocks.table_blocks,
+            tokens,
+            unusable * bs,
+            blocks.num_blocks * bs,
+            unusable / blocks.free_blocks if blocks.free_blocks else 0.0,
+            others[0],
+            others[1],
+            mx.get_active_memory() if self.measured else 0,
         )
+        # slots_future starts at 0, completed as the allocations live now end (_settle)
+        return values, blocks.reserved_slots - tokens
 
-    def _holding_ids(self, running: tuple[Seq, ...], preempts: list[int]) -> list[int]:
+    def _holding_ids(self, running: Sequence[Seq], preempts: list[int]) -> list[int]:
         """The holding of each running sequence, in order; an allocation that starts now
         gets the next number. The running set of the step before, the same sequences with
-        the same preemption counts, reuses its list (most steps)."""
-        if running == self._last_running and preempts == self._last_preempts:
+        the same preemption counts, reuses its list (most steps): at once when ``preempts`` is
+        the very list of the step before (a running batch's, replaced whenever its rows
+        change)."""
+        last = self._last_preempts
+        if preempts is last or (running == self._last_running and preempts == last):
             return self._last_ids
         live = self._live
         keys = list(zip(running, preempts, strict=True))
@@ -325,7 +388,7 @@ class Recorder:
                 if ids[i] is None:  # an allocation that starts now
                     ids[i] = live[key] = self._num_holdings
                     self._num_holdings += 1
-        self._last_running, self._last_preempts, self._last_ids = running, preempts, ids
+        self._last_running, self._last_preempts, self._last_ids = tuple(running), preempts, ids
         return ids
 
     def _settle_ended(self) -> None:
@@ -346,7 +409,7 @@ class Recorder:
     def step(
         self,
         plan: SchedulerOutput,
-        row: dict | None,
+        row: Snapshot | None,
         start: float,
         duration: float,
         forward_time: float,
@@ -368,7 +431,7 @@ class Recorder:
             forward_time = build_time = swap_time = tier_time = 0.0
         size = self.block_bytes
         values = (
-            *_SNAPSHOT_VALUES(row),
+            *row[0],
             *_WORK_VALUES(work),
             work.host_blocks_loaded * size,  # _STEP_OWN_COLUMNS' order
             work.disk_blocks_loaded * size,
@@ -389,8 +452,8 @@ class Recorder:
             spec.verifications,
         )
         self._columns.append(values)
-        self._future.append(row["slots_future"])
-        self._internal.append(row["slots_internal"])
+        self._future.append(0)
+        self._internal.append(row[1])
         self._num_steps += 1
 
 

@@ -134,7 +134,7 @@ def test_a_runs_end_takes_the_step_columns_uncopied_and_no_step_is_recorded_afte
     with pytest.raises(RuntimeError, match="taken"):
         _step(recorder, [a], Holdings([4], [4]), _blocks(1, 4, [[0]]), [])
     with pytest.raises(RuntimeError, match="taken"):  # nor a row without a snapshot
-        recorder.step(SchedulerOutput(), {}, 0.0, 1.0, 0.0, 0.0, work=StepWork())
+        recorder.step(SchedulerOutput(), None, 0.0, 1.0, 0.0, 0.0, work=StepWork())
 
 
 def test_a_column_is_kept_as_one_value_until_its_first_other_value():

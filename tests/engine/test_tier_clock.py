@@ -28,6 +28,7 @@ from harness.engine.request import Seq
 from harness.engine.sampling_params import SamplingParams
 from schedulers.fcfs import FCFSScheduler
 from schedulers.output import SchedulerOutput
+from schedulers.stats import kv_stats
 
 BLOCK_BYTES = 4 * 2 * 64 * 4 * 2 * 16  # 65,536
 SWAP = 0.004  # the toy profile's seconds per swapped block: a host-tier block's price
@@ -66,7 +67,9 @@ def test_the_recorder_writes_each_tier_s_blocks_bytes_and_hits():
     request with 48 cached tokens of which 16 came from host and 8 from disk: 24 on device."""
     recorder = Recorder(measured=False, block_bytes=1000)
     work = StepWork(host_blocks_loaded=3, disk_blocks_written=2)
-    recorder.step(SchedulerOutput(), dict.fromkeys(STEP_COLUMNS, 0), 0.0, 0.5, 0, 0, work=work)
+    idle = FCFSScheduler(RadixAllocator(num_blocks=8, block_size=4))  # nothing runs
+    snapshot = recorder.snapshot(kv_stats(idle), SchedulerOutput(), {})
+    recorder.step(SchedulerOutput(), snapshot, 0.0, 0.5, 0, 0, work=work)
     (row,) = recorder.steps
     moved = {c: row[c] for c in TIER_COLUMNS}
     assert moved == {

@@ -1,0 +1,236 @@
+"""Steps over the running batch (``Scheduler.schedule_batch``, ``engine.batch_steps``) give
+the tables and outputs the general step gives, column by column, and keep their rows as the
+running set moves: admissions, finishes, prompts in chunks, preemptions, stops on a token,
+forks, aborts.
+
+Each case replays the same requests twice on the model clock, batch steps on and off, and
+compares the recorder's step and request columns; it also checks that the batch decided most
+of the steps (else the comparison says nothing)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from support import ROOT, random_prompts
+
+from allocators.free_list import FreeListAllocator
+from allocators.radix import RadixAllocator
+from harness.engine import LLMEngine, build_engine
+from harness.engine.sampling_params import SamplingParams
+from schedulers.batch import RunningBatch
+from schedulers.chunked_prefill import ChunkedPrefillScheduler
+from schedulers.fcfs import FCFSScheduler
+from schedulers.priority import PriorityScheduler
+from schedulers.request import Status
+
+PROFILE = str(ROOT / "results/baselines/profile-llama-tiny.json")
+
+
+class Replayed(NamedTuple):
+    engine: LLMEngine
+    decided: int  # steps the batch decided
+    returned: list[tuple]  # per output a step returned: step, request, finished, tokens, time
+
+
+def replay(model, allocator, scheduler, requests, *, batch_steps, num_blocks=64, abort=None):
+    """Replay ``requests`` (id, prompt, params, arrival) on the model clock; the engine and
+    how many of its steps the batch decided. ``abort``: (step, request id) aborted then."""
+    engine = build_engine(
+        model,
+        allocator,
+        scheduler,
+        num_blocks=num_blocks,
+        clock="model",
+        profile=PROFILE,
+        batch_steps=batch_steps,
+    )
+    scheduler = engine.scheduler
+    decided = []
+    schedule_batch = scheduler.schedule_batch
+
+    def counted(now):
+        step = schedule_batch(now)
+        decided.append(step is not None)
+        return step
+
+    scheduler.schedule_batch = counted
+    pending = sorted(requests, key=lambda r: r[3])
+    steps, returned = 0, []
+    while pending or engine.has_unfinished_requests():
+        now = engine.clock.now()
+        while pending and pending[0][3] <= now:
+            rid, prompt, params, arrival = pending.pop(0)
+            engine.add_request(rid, prompt, params, arrival_time=arrival)
+        if not engine.has_unfinished_requests():
+            engine.clock.wait_until(pending[0][3])
+            continue
+        if abort is not None and steps == abort[0]:
+            engine.abort_request(abort[1])
+        for out in engine.step(pending[0][3] if pending else None):
+            tokens = [tuple(c.token_ids) for c in out.outputs]
+            returned.append((steps, out.request_id, out.finished, tokens, out.finished_time))
+        steps += 1
+    return Replayed(engine, sum(decided), returned)
+
+
+def requests(n, seed, *, max_tokens=(1, 40), params=None, shared=0):
+    """``n`` requests of random prompts (4-60 tokens, ``shared`` leading tokens common to
+    all) and outputs, arriving over ~1 s."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(4, 60, n).tolist()
+    prefix = random_prompts([shared], seed + 1)[0]
+    prompts = [prefix + p for p in random_prompts(lengths, seed)]
+    arrivals = np.sort(rng.uniform(0, 1.0, n)).tolist()
+    outputs = rng.integers(*max_tokens, n).tolist()
+    return [
+        (
+            f"r{i}",
+            prompt,
+            (params or {}).get(i) or SamplingParams(max_tokens=out, ignore_eos=True),
+            arrival,
+        )
+        for i, (prompt, out, arrival) in enumerate(zip(prompts, outputs, arrivals, strict=True))
+    ]
+
+
+def assert_same_tables(a: Replayed, b: Replayed) -> None:
+    """The same step and request columns, and the same outputs returned at each step."""
+    assert a.returned == b.returned
+    ra, rb = a.engine.recorder, b.engine.recorder
+    for name, (x, y) in {
+        "steps": (ra.step_columns(), rb.step_columns()),
+        "requests": (ra.request_columns(), rb.request_columns()),
+    }.items():
+        assert list(x) == list(y)
+        for column in x:
+            left, right = x[column], y[column]
+            if isinstance(left, np.ndarray):
+                np.testing.assert_array_equal(left, right, err_msg=f"{name}.{column}")
+            else:
+                assert [np.asarray(v).tolist() for v in left] == [
+                    np.asarray(v).tolist() for v in right
+                ], f"{name}.{column}"
+
+
+FCFS = partial(FCFSScheduler, max_num_seqs=8)
+CHUNKED = partial(ChunkedPrefillScheduler, max_num_seqs=8, max_chunk=16,
+                  max_num_batched_tokens=24)  # fmt: skip
+CASES = {
+    "fcfs_free_list": (FreeListAllocator, FCFS, {}, 256),
+    "fcfs_radix_shared_prefix": (RadixAllocator, FCFS, {"shared": 32}, 256),
+    "fcfs_small_arena_preempts": (FreeListAllocator, FCFS, {}, 24),
+    "radix_small_arena_evicts": (RadixAllocator, FCFS, {"shared": 16}, 24),
+    "chunked_radix": (RadixAllocator, CHUNKED, {"shared": 16}, 256),
+    "chunked_small_arena": (FreeListAllocator, CHUNKED, {}, 24),
+    "fcfs_watermark": (
+        FreeListAllocator,
+        partial(FCFSScheduler, max_num_seqs=6, watermark=0.1),
+        {},
+        96,
+    ),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("case", list(CASES))
+def test_batch_steps_give_the_general_steps_tables(model, case, seed):
+    allocator, scheduler, extra, num_blocks = CASES[case]
+    reqs = requests(40, seed, **extra)
+    general = replay(model, allocator, scheduler, reqs, batch_steps=False, num_blocks=num_blocks)
+    batched = replay(model, allocator, scheduler, reqs, batch_steps=True, num_blocks=num_blocks)
+    assert general.decided == 0
+    steps = batched.engine.recorder.step_columns()
+    num_steps = len(steps["step"])
+    assert batched.decided > num_steps // 2, f"the batch decided {batched.decided} of {num_steps}"
+    assert_same_tables(batched, general)
+    if "small" in case:
+        assert steps["preempted"].sum() > 0
+    batched.engine.allocator.check()
+
+
+def test_stops_on_a_token_forks_and_an_abort_leave_the_batch_for_the_general_step(model):
+    """Requests that may stop on a token (a stop id), n = 2 and an abort mid-run take the
+    general step around them; the tables stay the general step's."""
+    stop = SamplingParams(max_tokens=30, stop_token_ids=list(range(3, 1024, 9)))
+    params = {
+        0: SamplingParams(max_tokens=300, ignore_eos=True, output_kind="final_only"),
+        3: stop,
+        7: stop,
+        11: SamplingParams(max_tokens=12, n=2, ignore_eos=True),
+    }
+    reqs = requests(30, 5, params=params)
+    general = replay(model, FreeListAllocator, FCFS, reqs, batch_steps=False, abort=(30, "r0"))
+    batched = replay(model, FreeListAllocator, FCFS, reqs, batch_steps=True, abort=(30, "r0"))
+    assert batched.decided > 0
+    assert_same_tables(batched, general)
+    finish = batched.engine.recorder.request_columns()["finish_reason"]
+    assert "stop" in finish and "abort" in finish
+
+
+def test_a_policy_that_orders_or_preempts_otherwise_takes_no_batch_step(model):
+    engine = build_engine(model, FreeListAllocator, partial(PriorityScheduler, max_num_seqs=4),
+                          num_blocks=64, clock="model", profile=PROFILE)  # fmt: skip
+    assert engine.scheduler.batch is None
+    prefill_first = build_engine(model, FreeListAllocator,
+                                 partial(FCFSScheduler, order="prefill_first"),
+                                 num_blocks=64, clock="model", profile=PROFILE)  # fmt: skip
+    assert prefill_first.scheduler.batch is None
+
+
+class _Seq:
+    """What the batch reads of a sequence."""
+
+    def __init__(self, rid, prompt, computed, tokens, preemptions=0):
+        self.request_id = rid
+        self.num_prompt_tokens = prompt
+        self.num_computed_tokens = computed
+        self.token_ids = list(range(tokens))
+        self.preemptions = preemptions
+        self.status = Status.RUNNING
+
+
+def _batch(seqs):
+    alloc = FreeListAllocator(num_blocks=64, block_size=4)
+    for seq in seqs:
+        alloc.allocate(seq.request_id, len(seq.token_ids))
+    return RunningBatch(alloc, lambda seq: 100), alloc
+
+
+def test_the_batch_reads_decodes_then_prompts_and_refuses_any_other_order():
+    a, b = _Seq("a", 4, 5, 6), _Seq("b", 3, 6, 7, preemptions=2)  # decode
+    c = _Seq("c", 20, 8, 20)  # a prompt in progress
+    batch, alloc = _batch([a, b, c])
+    assert batch.read([a, b, c])
+    assert batch.decodes == 2 and batch.ids == ["a", "b", "c"]
+    assert batch.limits == [8, 8, 20] and batch.held == [8, 8, 20]
+    assert batch.preempts == [0, 2, 0]
+    assert not batch.read([a, c, b])  # a decode behind a prompt: the general step's order
+    assert batch.stale
+
+
+def test_rows_close_up_when_some_leave_and_the_preemptions_list_is_a_new_one():
+    seqs = [_Seq(r, 4, 5, 6, preemptions=i) for i, r in enumerate("abcd")]
+    batch, _ = _batch(seqs)
+    batch.read(seqs)
+    before = batch.preempts
+    batch.drop([0, 2])
+    assert batch.ids == ["b", "d"] and batch.decodes == 2
+    assert batch.preempts == [1, 3] and before == [0, 1, 2, 3]  # the old list unchanged
+
+
+def test_a_prompt_done_joins_the_decodes_unless_one_admitted_earlier_is_not():
+    a, p, q = _Seq("a", 4, 5, 6), _Seq("p", 20, 8, 20), _Seq("q", 20, 8, 20)
+    batch, _ = _batch([a, p, q])
+    batch.read([a, p, q])
+    p.num_computed_tokens, p.token_ids = 20, list(range(21))  # p's prompt done, a token out
+    batch.settle()
+    assert batch.decodes == 2 and not batch.stale
+    batch2, _ = _batch([a, p, q])
+    p.num_computed_tokens, p.token_ids = 8, list(range(20))
+    batch2.read([a, p, q])
+    q.num_computed_tokens, q.token_ids = 20, list(range(21))  # q done before p
+    batch2.settle()
+    assert batch2.decodes == 1 and batch2.stale

@@ -43,7 +43,7 @@ from harness.engine.model_runner import Forward, ModelRunner, Row, Runner
 from harness.engine.modelled import step_work
 from harness.engine.outputs import OutputProcessor, prompt_positions
 from harness.engine.pipeline import Pipeline
-from harness.engine.recorder import Recorder, Snapshot
+from harness.engine.recorder import Recorder, Rows, Snapshot
 from harness.engine.request import RequestOutput, Seq
 from harness.engine.request_table import RequestTable
 from harness.engine.sampling import argmax_on_host
@@ -363,12 +363,10 @@ class LLMEngine:
                     computed = seq.num_computed_tokens
                     if row.num_new_tokens == 1 and computed == len(seq.token_ids) - 1:
                         prefill -= computed >= seq.num_prompt_tokens
+            rows = Rows(batch.seqs, batch.preempts, list(batch.held), written)
             snapshot = self.recorder.snapshot_batch(
                 self.allocator.stats(),
-                batch.seqs,
-                batch.preempts,
-                list(batch.held),
-                written,
+                rows,
                 prefill,
                 sum(queries) - prefill,
                 len(scheduler.waiting),

@@ -25,6 +25,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from itertools import chain, repeat
 from operator import attrgetter, sub
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -90,6 +91,20 @@ _WORK_VALUES = attrgetter(*COLUMNS)
 # A step's snapshot as ``Recorder.step`` takes it: its ``_SNAPSHOT_COLUMNS`` values, and its
 # internal slots before any settles (its future slots start at 0).
 Snapshot = tuple[tuple, int]
+
+
+class Rows(NamedTuple):
+    """A step's running sequences as the snapshot reads them, in running order: each one's
+    preemptions (with the sequence, its holding's key), held slots, and slots written by
+    the step's end (lists the recorder keeps; ``preempts`` may be the very list of the step
+    before when the rows are the same)."""
+
+    running: Sequence[Seq]
+    preempts: list[int]
+    held: list[int]
+    written: list[int]
+
+
 _NO_VERIFICATIONS = Verifications()
 
 
@@ -268,10 +283,7 @@ class Recorder:
         unwritten = sum(holdings.num_tokens) - sum(written)  # allocated, not written by the end
         return self._snapshot(
             blocks,
-            running,
-            preempts,
-            holdings.held_slots,
-            written,
+            Rows(running, preempts, holdings.held_slots, written),
             blocks.used_slots - unwritten,
             fed_total - decodes,
             sum(new) - fed_total + decodes,
@@ -280,55 +292,38 @@ class Recorder:
         )
 
     def snapshot_batch(
-        self,
-        blocks: AllocatorStats,
-        running: Sequence[Seq],
-        preempts: list[int],
-        held: list[int],
-        written: list[int],
-        prefill: int,
-        decode: int,
-        num_waiting: int,
+        self, blocks: AllocatorStats, rows: Rows, prefill: int, decode: int, num_waiting: int
     ) -> Snapshot | None:
         """``snapshot`` of a running batch's step (``Scheduler.schedule_batch``), from its
-        columns: per running sequence its preemptions, held slots and slots written by the
-        step's end (lists the recorder keeps); its ``prefill`` and ``decode`` tokens. A
-        paged allocator's, with no draft or window blocks, nothing swapped and no unusable
-        free block."""
+        columns (``rows``, lists the recorder keeps) and its ``prefill`` and ``decode``
+        tokens. A paged allocator's, with no draft or window blocks, nothing swapped and no
+        unusable free block. Its tokens are the slots written less those counted twice: the
+        allocator's sequences are the running ones, so its token total is theirs, whatever
+        growth they left unreported (contract version 5)."""
         if not self.enabled:
             return None
         self._open()
-        return self._snapshot(
-            blocks,
-            running,
-            preempts,
-            held,
-            written,
-            sum(written) - blocks.shared_slots,  # the slots written, a shared one once
-            prefill,
-            decode,
-            (num_waiting, 0, 0),
-            (0, 0),
-        )
+        tokens = sum(rows.written) - blocks.shared_slots
+        return self._snapshot(blocks, rows, tokens, prefill, decode, (num_waiting, 0, 0), (0, 0))
 
     def _snapshot(
         self,
         blocks: AllocatorStats,
-        running: Sequence[Seq],
-        preempts: list[int],
-        held: list[int],
-        written: list[int],
+        rows: Rows,
         tokens: int,
         prefill: int,
         decode: int,
         queues: tuple[int, int, int],
         others: tuple[int, int],
     ) -> Snapshot:
-        """The step's row of ``snapshot`` from its parts; its holdings' entries kept."""
+        """The step's row of ``snapshot`` from its parts (``queues``: waiting, swapped,
+        unusable free blocks; ``others``: draft and window blocks used); its holdings'
+        entries kept."""
         index = self._num_steps  # this step's row
         live = self._live
+        running, preempts = rows.running, rows.preempts
         ids = self._holding_ids(running, preempts)
-        self._entries.add(ids, index, held, written)
+        self._entries.add(ids, index, rows.held, rows.written)
         # Allocations live at the previous step and not now have ended: they settle
         # ``_SETTLE_BATCH`` at a time (``_settle``: in any order, the same columns).
         if len(live) > len(running):  # some ended (every running one is live)

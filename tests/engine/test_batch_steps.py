@@ -234,3 +234,38 @@ def test_a_prompt_done_joins_the_decodes_unless_one_admitted_earlier_is_not():
     q.num_computed_tokens, q.token_ids = 20, list(range(21))  # q done before p
     batch2.settle()
     assert batch2.decodes == 1 and batch2.stale
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_random_configurations_give_the_general_steps_tables(model, seed):
+    """A configuration drawn from ``seed``: allocator, policy (chunk and budget), arena,
+    batch, watermark, shared prefix, output lengths, a few requests that may stop on a token
+    or ask for two completions; batch steps on and off give the same columns and outputs."""
+    rng = np.random.default_rng(100 + seed)
+    allocator = [FreeListAllocator, RadixAllocator][seed % 2]
+    max_num_seqs = int(rng.integers(1, 12))
+    watermark = float(rng.choice([0.0, 0.05]))
+    if seed % 3 == 2:
+        budget = int(rng.integers(max_num_seqs, 64))
+        scheduler = partial(ChunkedPrefillScheduler, max_num_seqs=max_num_seqs,
+                            max_chunk=int(rng.integers(1, 40)), max_num_batched_tokens=budget,
+                            watermark=watermark)  # fmt: skip
+    else:
+        scheduler = partial(FCFSScheduler, max_num_seqs=max_num_seqs, watermark=watermark)
+    num_blocks = int(rng.choice([20, 40, 256]))
+    shared = int(rng.choice([0, 8, 24]))
+    n = int(rng.integers(10, 40))
+    params = {}
+    for i in rng.choice(n, size=int(rng.integers(0, 4)), replace=False).tolist():
+        params[i] = (
+            SamplingParams(max_tokens=40, stop_token_ids=list(range(3, 1024, 13)))
+            if i % 2
+            else SamplingParams(max_tokens=10, n=2, ignore_eos=True)
+        )
+    reqs = requests(n, seed, max_tokens=(1, int(rng.integers(3, 80))), shared=shared,
+                    params=params)  # fmt: skip
+    general = replay(model, allocator, scheduler, reqs, batch_steps=False, num_blocks=num_blocks)
+    batched = replay(model, allocator, scheduler, reqs, batch_steps=True, num_blocks=num_blocks)
+    assert batched.decided > 0
+    assert_same_tables(batched, general)
+    batched.engine.allocator.check()

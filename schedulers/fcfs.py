@@ -18,13 +18,13 @@ class FCFSScheduler(Scheduler):
     arguments are the batch constraints of ``Scheduler``.
     """
 
+    batches = True  # decode-first, its steps are the base's: they may run over the batch
+
     def __init__(self, allocator: BlockAllocator, *, order: str = "decode_first", **kwargs):
         if order not in ORDERS:
             raise ValueError(f"scheduler.order={order!r}: use one of {list(ORDERS)}")
         self.prefill_first = order == "prefill_first"
         super().__init__(allocator, **kwargs)
-
-    batches = True  # decode-first: its decodes run as the base's (schedule_batch)
 
     def _victim(self, candidates: list[Request]) -> Request:
         return max(candidates, key=self.running.index)

@@ -102,9 +102,9 @@ class SchedulerOutput:
 
 class BatchStep(NamedTuple):
     """A step of the running batch (``Scheduler.schedule_batch``): its first rows are the
-    batch's, each decoding one token from position ``starts[i]``; ``events`` (None when no
-    request was let in) holds the rows of the requests admitted this step, after those, and
-    the requests rejected."""
+    batch's decodes, each computing one token from position ``starts[i]``; ``events`` holds
+    its other rows, after those (chunks of prompts in progress, then the prompts of the
+    requests let in this step), and the requests rejected; None when it has none."""
 
     starts: list[int]
     events: SchedulerOutput | None

@@ -180,7 +180,8 @@ class Scheduler(ABC):
     def abort(self, request_id: str, now: float, reason: str) -> Request | None:
         """Stop a request in any state, its blocks free when this returns; None if it is not
         here. A token still on the device (pipelined steps) is never emitted."""
-        self._batch_stale()
+        if self.batch is not None:  # the running rows change outside a batch step
+            self.batch.stale = True
         seq = self.draining.get(request_id)
         if seq is None:
             seq = next((s for s in self.unfinished() if s.request_id == request_id), None)
@@ -337,7 +338,8 @@ class Scheduler(ABC):
     # -- the step decision ---------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         """Decide one step at time ``now`` (see the module docstring)."""
-        self._batch_stale()
+        if self.batch is not None:  # a general step: the batch reads its rows again
+            self.batch.stale = True
         out = SchedulerOutput()
         out.hold_until = self._hold_until(now)
         if out.hold_until is not None:
@@ -363,11 +365,6 @@ class Scheduler(ABC):
             self.lookahead.widen(out, budget, len(self.running) + self.watermark_blocks)
         out.tier_moves = self.allocator.drain_tier_moves()  # lower KV tiers, in order
         return out
-
-    def _batch_stale(self) -> None:
-        """The running rows change outside a batch step: the batch reads them again."""
-        if self.batch is not None:
-            self.batch.stale = True
 
     def schedule_batch(self, now: float) -> BatchStep | None:
         """``schedule`` of a step over the running batch (``RunningBatch``), for a policy

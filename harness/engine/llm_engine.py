@@ -108,7 +108,9 @@ class LLMEngine:
 
         ``batch_steps``: a step the scheduler can decide over its running batch does so
         (``Scheduler.schedule_batch``, on the model clock); off, every step takes the
-        general path, the reference a batch step's tables are checked against."""
+        general path, the reference a batch step's tables are checked against. The
+        attribute says whether this engine's steps may (the option, and an engine of the
+        kind: see ``_batch_step``)."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"engine.logprobs_mode={logprobs_mode!r} is invalid: it must be one of "
@@ -176,7 +178,16 @@ class LLMEngine:
             logits=runner.computes_logits,
         )
         self.pipeline = Pipeline(scheduler, self.requests) if pipeline else None
-        self.batch_steps = batch_steps
+        # Its steps may run over the scheduler's running batch (``_batch_step``): a model
+        # clock's (its shape is all the runner reads), with no draft, window or pipeline;
+        # each step also needs sequences alone (n = 1, no beam) and nothing owed.
+        self.batch_steps = batch_steps and not (
+            scheduler.batch is None
+            or runner.computes_logits
+            or proposer is not None
+            or pipeline
+            or window is not None
+        )
         # The class's function: a bound method kept by its engine is a cycle (freed by GC).
         self._step_fn = LLMEngine._pipelined_step if pipeline else LLMEngine._plain_step
 
@@ -299,7 +310,8 @@ class LLMEngine:
         """
         with self.lock:
             start, now = time.perf_counter(), self.clock.now()
-            if self._batches():
+            requests = self.requests
+            if self.batch_steps and not (requests.groups or requests.beams or requests.owed):
                 batch_step = self.scheduler.schedule_batch(now)
                 if batch_step is not None:
                     return self._batch_step(batch_step, start, now)
@@ -310,23 +322,6 @@ class LLMEngine:
             self._wait_for_batch(plan, next_arrival)
             # One output per request: its completions progress together (n > 1).
             return list({out.request_id: out for out in outputs}.values())
-
-    def _batches(self) -> bool:
-        """Whether this step may run over the scheduler's running batch (``_batch_step``):
-        a model clock's step (its shape is all the runner reads) of sequences alone (n = 1,
-        no beam), nothing owed; no draft, window or pipeline."""
-        requests = self.requests
-        return not (
-            not self.batch_steps
-            or self.scheduler.batch is None
-            or self.runner.computes_logits
-            or self.proposer is not None
-            or self.pipeline is not None
-            or self.window is not None
-            or requests.groups
-            or requests.beams
-            or requests.owed
-        )
 
     def _batch_step(self, step: BatchStep, start: float, now: float) -> list[RequestOutput]:
         """A step the scheduler decided over its running batch (``schedule_batch``): its
@@ -363,7 +358,7 @@ class LLMEngine:
                     computed = seq.num_computed_tokens
                     if row.num_new_tokens == 1 and computed == len(seq.token_ids) - 1:
                         prefill -= computed >= seq.num_prompt_tokens
-            rows = Rows(batch.seqs, batch.preempts, list(batch.held), written)
+            rows = tuple.__new__(Rows, (batch.seqs, batch.preempts, list(batch.held), written))
             snapshot = self.recorder.snapshot_batch(
                 self.allocator.stats(),
                 rows,

@@ -30,8 +30,9 @@ from allocators.base import BlockAllocator
 from schedulers.request import Request
 
 
-def _decodes(seq: Request) -> bool:
-    """``seq`` has one token to compute, past its prompt: its row decodes."""
+def decodes(seq: Request) -> bool:
+    """``seq`` has one token to compute, past its prompt: its row decodes (the recorder's
+    rule for a decode token, too)."""
     computed = seq.num_computed_tokens
     return computed == len(seq.token_ids) - 1 and computed >= seq.num_prompt_tokens
 
@@ -39,6 +40,15 @@ def _decodes(seq: Request) -> bool:
 def _prefills(seq: Request) -> bool:
     """``seq`` has more than one token of its prompt to compute: its row prefills."""
     return len(seq.token_ids) - seq.num_computed_tokens > 1
+
+
+def _leading_decodes(seqs: Sequence[Request], start: int) -> int | None:
+    """How many of ``seqs`` decode, all ahead of the rest (known to decode up to
+    ``start``); None when a row that decodes comes after one that does not."""
+    count = start
+    while count < len(seqs) and decodes(seqs[count]):
+        count += 1
+    return count if all(map(_prefills, seqs[count:])) else None
 
 
 class RunningBatch:
@@ -65,10 +75,8 @@ class RunningBatch:
         EOS, a stop string: the general step checks each)."""
         self.stale = True
         seqs = list(running)
-        decodes = 0
-        while decodes < len(seqs) and _decodes(seqs[decodes]):
-            decodes += 1
-        if not all(map(_prefills, seqs[decodes:])):
+        count = _leading_decodes(seqs, 0)
+        if count is None:
             return False
         stop_at = list(map(self._stop_at, seqs))
         if 0 in stop_at:
@@ -80,7 +88,7 @@ class RunningBatch:
         self.held = list(map(alloc.held_slots, self.ids))
         self.stop_at = stop_at
         self.preempts = [seq.preemptions for seq in seqs]
-        self.decodes = decodes
+        self.decodes = count
         self.stale = False
         return True
 
@@ -115,9 +123,8 @@ class RunningBatch:
     def settle(self) -> None:
         """After a step with rows past the decodes: the prompts it finished join the
         decodes; stale if one finished before a row ahead of it."""
-        seqs, decodes = self.seqs, self.decodes
-        while decodes < len(seqs) and _decodes(seqs[decodes]):
-            decodes += 1
-        self.decodes = decodes
-        if not all(map(_prefills, seqs[decodes:])):
+        count = _leading_decodes(self.seqs, self.decodes)
+        if count is None:
             self.stale = True
+        else:
+            self.decodes = count

@@ -56,6 +56,7 @@ from harness.engine.tier_kv import TierKV
 from harness.engine.window import WindowTables
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
+from schedulers.batch import decodes
 from schedulers.output import BatchStep, StepResults
 from schedulers.request import Status
 from schedulers.stats import kv_stats
@@ -354,10 +355,8 @@ class LLMEngine:
                 for seq in batch.seqs[n:]:
                     written.append(seq.num_computed_tokens + fed.get(seq, 0))
                 for row in events.scheduled:  # prompt tokens, unless one row computes the
-                    seq = row.seq  # one token left past its prompt (a recompute's hit)
-                    computed = seq.num_computed_tokens
-                    if row.num_new_tokens == 1 and computed == len(seq.token_ids) - 1:
-                        prefill -= computed >= seq.num_prompt_tokens
+                    # one token left past its prompt (a recompute's prefix hit)
+                    prefill -= row.num_new_tokens == 1 and decodes(row.seq)
             rows = tuple.__new__(Rows, (batch.seqs, batch.preempts, list(batch.held), written))
             snapshot = self.recorder.snapshot_batch(
                 self.allocator.stats(),

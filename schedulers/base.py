@@ -374,9 +374,9 @@ class Scheduler(ABC):
         their write limit ask the allocator (contract version 5: the general step's
         ``allocate_many`` gives the same blocks in the same order).
 
-        None, deciding nothing, when the step is another kind: a row that may stop on a
-        token, rows out of the order the batch keeps, memory short of the decodes' blocks (a
-        preemption), queues or holds the batch does not keep; then ``schedule`` decides it."""
+        None, deciding nothing, when the step is another kind: rows out of the order the
+        batch keeps, memory short of the decodes' blocks (a preemption), queues or holds the
+        batch does not keep; then ``schedule`` decides it."""
         batch = self.batch
         if (
             batch is None
@@ -440,8 +440,9 @@ class Scheduler(ABC):
         batch, progress = self.batch, self.progress
         n = len(step.starts)
         seqs = batch.seqs
-        rows = progress.decode(seqs[:n], tokens, now, batch.stop_at)
-        stopped = [(seqs[i], "length", None) for i in rows]
+        stops = progress.decode(seqs[:n], tokens, now, batch.stop_at)
+        rows = [row for row, _ in stops]
+        stopped = [(seqs[row], reason, why) for row, (reason, why) in stops]
         events = step.events
         if events is not None and events.scheduled:
             progress.advance(events, {})

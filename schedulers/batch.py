@@ -8,8 +8,9 @@ prefill: admitted last, so last in running order too). A row's columns:
 
     seqs      the sequence                     limits    its allocator write limit
     ids       its request id                   held      slots of the blocks it holds
-    stop_at   the length that stops it         preempts  its preemptions (the recorder's
-              (``Stopping.length_limit``)                 holding key)
+    stop_at   the length that stops it, 0      preempts  its preemptions (the recorder's
+              when a token may stop it                    holding key)
+              sooner (``Stopping.length_limit``)
 
 Events: a row crossing its write limit asks the allocator for a block (contract version 5:
 growth within the limit goes unreported), a sequence admitted gets a row at the end, one
@@ -71,22 +72,18 @@ class RunningBatch:
 
     def read(self, running: Sequence[Request]) -> bool:
         """Read the columns of ``running`` again from its sequences; False (left stale)
-        unless its rows decode, then prefill, and none may stop on a token (a stop token,
-        EOS, a stop string: the general step checks each)."""
+        unless its rows decode, then prefill."""
         self.stale = True
         seqs = list(running)
         count = _leading_decodes(seqs, 0)
         if count is None:
-            return False
-        stop_at = list(map(self._stop_at, seqs))
-        if 0 in stop_at:
             return False
         alloc = self.allocator
         self.seqs = seqs
         self.ids = [seq.request_id for seq in seqs]
         self.limits = list(map(alloc.write_limit, self.ids))
         self.held = list(map(alloc.held_slots, self.ids))
-        self.stop_at = stop_at
+        self.stop_at = list(map(self._stop_at, seqs))
         self.preempts = [seq.preemptions for seq in seqs]
         self.decodes = count
         self.stale = False
@@ -94,15 +91,12 @@ class RunningBatch:
 
     def admit(self, seq: Request) -> None:
         """A row for ``seq``, just admitted (its blocks taken)."""
-        stop_at = self._stop_at(seq)
-        if not stop_at:
-            self.stale = True  # a token may stop it: the next step is the general one
         rid = seq.request_id
         self.seqs.append(seq)
         self.ids.append(rid)
         self.limits.append(self.allocator.write_limit(rid))
         self.held.append(self.allocator.held_slots(rid))
-        self.stop_at.append(stop_at)
+        self.stop_at.append(self._stop_at(seq))
         self.preempts = [*self.preempts, seq.preemptions]
 
     def grew(self, row: int) -> None:

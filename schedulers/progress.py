@@ -153,12 +153,13 @@ class Progress:
 
     def decode(
         self, seqs: Sequence[Request], tokens: Sequence[int], now: float, stop_at: Sequence[int]
-    ) -> list[int]:
+    ) -> list[tuple[int, Stop]]:
         """``advance`` and ``append_each`` of a step whose rows ``seqs`` each decoded one
-        token (the running batch's: ``stop_at`` their length limits, none 0), in one pass:
-        their tokens, existing on the host at ``now``. Returns the rows that stopped (by
-        length), in order."""
+        token (the running batch's: ``stop_at`` their length limits, 0 where a token may
+        stop one sooner), in one pass: their tokens, existing on the host at ``now``.
+        Returns the rows that stopped, in order, each with its stop."""
         bs, commit, stopped = self.allocator.block_size, self._commit, []
+        check, max_seq_len = self.stopping.check, self.max_seq_len
         row = 0
         for seq, token in zip(seqs, tokens, strict=False):
             computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
@@ -167,8 +168,14 @@ class Progress:
                 commit(seq, token_ids)
             token_ids.append(token)
             seq.token_times.append(now)
-            if len(token_ids) >= stop_at[row]:
-                stopped.append(row)
+            limit = stop_at[row]
+            if limit:
+                if len(token_ids) >= limit:
+                    stopped.append((row, _LENGTH))
+            else:
+                reason, why = check(seq, token, max_seq_len)
+                if reason is not None:
+                    stopped.append((row, (reason, why)))
             row += 1  # noqa: SIM113 (enumerate's tuples cost ~15 % of this loop)
         return stopped
 

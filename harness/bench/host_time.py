@@ -13,11 +13,12 @@ step row's ``duration`` leaves out the row's own recording); and the host time s
 engine's public seams, timed by wrapping the methods of its parts on the one engine a run
 builds:
 
-    build      the rows and the forward's index arrays: from the block moves' end to
-               ``runner.forward``, plus the step row's ``build_time``
-    scheduler  ``scheduler.schedule``, then from the sampler's end through
-               ``scheduler.update`` (the step's results handed back)
-    sampler    ``sampler.draw``
+    build      the rows and the forward's index arrays: from the step's decision (its
+               block moves' end) to ``runner.forward``, plus the step row's ``build_time``
+    scheduler  ``scheduler.schedule`` (``schedule_batch``, and ``schedule`` when that
+               decides nothing), then from the sampler's end through ``scheduler.update``
+               (``update_batch``: the step's results handed back)
+    sampler    ``sampler.draw`` (``draw_rows``, a step over the running batch's)
     outputs    from ``scheduler.update``'s end to the step's record (settling, the outputs)
     recorder   the step's KV statistics and snapshot (from ``runner.launch``'s end to
                ``runner.wait``) and ``recorder.step``
@@ -84,10 +85,15 @@ def split(stamps: dict[str, float], row: dict) -> dict[str, float]:
     """One step's host time by part (the module docstring), from its ``stamps`` and its step
     ``row`` (``forward_time``, ``build_time``)."""
     s = stamps
+    decided = max(s.get(k, 0.0) for k in ("schedule/", "schedule_batch/", "move_blocks/"))
+    spent = {k: s[f"{k}/"] - s[k] for k in ("schedule", "schedule_batch", "draw", "draw_rows")
+             if k in s}  # fmt: skip
     parts = {
-        "build": s["forward"] - s["move_blocks/"] + row["build_time"],
-        "scheduler": (s["schedule/"] - s["schedule"]) + (s["update/"] - s["draw/"]),
-        "sampler": s["draw/"] - s["draw"],
+        "build": s["forward"] - decided + row["build_time"],
+        "scheduler": spent.get("schedule", 0.0)
+        + spent.get("schedule_batch", 0.0)
+        + (s["update/"] - s.get("draw/", s.get("draw_rows/"))),
+        "sampler": spent["draw"] if "draw" in spent else spent["draw_rows"],
         "outputs": s["record"] - s["update/"],
         "recorder": (s["wait"] - s["launch/"]) + (s["record/"] - s["record"]),
     }
@@ -118,15 +124,19 @@ def run_cell(cell: dict) -> dict:
     for owner, name, label in [
         (engine, "step", "engine"),
         (engine.scheduler, "schedule", "schedule"),
+        (engine.scheduler, "schedule_batch", "schedule_batch"),
         (engine.scheduler, "update", "update"),
+        (engine.scheduler, "update_batch", "update"),
         (engine.host, "move_blocks", "move_blocks"),
         (engine.runner, "forward", "forward"),
         (engine.runner, "launch", "launch"),
         (engine.runner, "wait", "wait"),
         (engine.sampler, "draw", "draw"),
+        (engine.sampler, "draw_rows", "draw_rows"),
         (engine.recorder, "step", "record"),
     ]:
-        stamps.wrap(owner, name, label)
+        if hasattr(owner, name):  # a step over the running batch has seams of its own
+            stamps.wrap(owner, name, label)
     decoding = 0
     while decoding < cell["warmup"]:  # the prompts, then warm-up decode steps
         engine.step()

@@ -255,6 +255,7 @@ def build_engine(
         logprobs_mode=logprobs_mode,
         kv_format=kv_format,
         kv_tier=kv_tier,
+        batch_steps=batch_steps,
     )
 
 

@@ -49,7 +49,7 @@ from harness.engine.request_table import RequestTable
 from harness.engine.sampling import argmax_on_host
 from harness.engine.sampling_params import LOGPROBS_MODES, LogprobsMode, SamplingParams
 from harness.engine.speculative import Proposer
-from harness.engine.step_sampler import StepSampler
+from harness.engine.step_sampler import Drawn, StepSampler
 from harness.engine.step_shape import StepShape
 from harness.engine.step_state import StepState
 from harness.engine.tier_kv import TierKV
@@ -57,7 +57,7 @@ from harness.engine.window import WindowTables
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
 from schedulers.batch import decodes
-from schedulers.output import BatchStep, StepResults
+from schedulers.output import BatchStep, Scheduled, StepResults
 from schedulers.request import Status
 from schedulers.stats import kv_stats
 
@@ -108,10 +108,10 @@ class LLMEngine:
         CPU build pipelined decode measured 1-25 % slower, side by side, docs/design.md).
 
         ``batch_steps``: a step the scheduler can decide over its running batch does so
-        (``Scheduler.schedule_batch``, on the model clock); off, every step takes the
-        general path, the reference a batch step's tables are checked against. The
-        attribute says whether this engine's steps may (the option, and an engine of the
-        kind: see ``_batch_step``)."""
+        (``Scheduler.schedule_batch``); off, every step takes the general path, the
+        reference a batch step's tables and tokens are checked against. The attribute says
+        whether this engine's steps may (the option, and an engine of the kind: see
+        ``_batch_step``)."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"engine.logprobs_mode={logprobs_mode!r} is invalid: it must be one of "
@@ -179,15 +179,11 @@ class LLMEngine:
             logits=runner.computes_logits,
         )
         self.pipeline = Pipeline(scheduler, self.requests) if pipeline else None
-        # Its steps may run over the scheduler's running batch (``_batch_step``): a model
-        # clock's (its shape is all the runner reads), with no draft, window or pipeline;
-        # each step also needs sequences alone (n = 1, no beam) and nothing owed.
+        # Its steps may run over the scheduler's running batch (``_batch_step``) with no
+        # draft, window or pipeline; each step also needs sequences alone (n = 1, no beam)
+        # and nothing owed.
         self.batch_steps = batch_steps and not (
-            scheduler.batch is None
-            or runner.computes_logits
-            or proposer is not None
-            or pipeline
-            or window is not None
+            scheduler.batch is None or proposer is not None or pipeline or window is not None
         )
         # The class's function: a bound method kept by its engine is a cycle (freed by GC).
         self._step_fn = LLMEngine._pipelined_step if pipeline else LLMEngine._plain_step
@@ -326,55 +322,88 @@ class LLMEngine:
 
     def _batch_step(self, step: BatchStep, start: float, now: float) -> list[RequestOutput]:
         """A step the scheduler decided over its running batch (``schedule_batch``): its
-        shape from the batch's columns, priced and its tokens drawn by the runner, the
-        results handed back (``update_batch``) and its row recorded, as ``_plain_step`` does
-        for any plan, without a per-row object."""
-        scheduler, batch = self.scheduler, self.scheduler.batch
-        starts = step.starts
-        n = len(starts)
-        queries, num_logits = [1] * n, [1] * n
-        events = step.events or _NO_EVENTS
+        forward from the batch's columns (a model clock's shape, or ``Row``s), started, its
+        row's memory taken while it computes, its tokens drawn, the results handed back
+        (``update_batch``) and its row recorded, as ``_plain_step`` does for any plan,
+        without a per-row object past the runner's rows."""
+        batch, events = self.scheduler.batch, step.events
+        n = len(step.starts)
         outputs, moved = [], _NOT_MOVED
-        if step.events is not None:
+        sampled = batch.seqs[:n]
+        if events is not None:
             outputs = self._collect_owed(events)  # rejections
             moved = self.host.move_blocks(events)
-            starts = list(starts)
-            for row in events.scheduled:
-                queries.append(row.num_new_tokens)
-                starts.append(row.seq.num_computed_tokens)
-                num_logits.append(int(row.samples))
-        forward = self.runner.forward(StepShape(queries, starts, num_logits, {}))
-        work = step_work(events, forward.work, False)
-        self.clock.charge(work)
-        snapshot = None
-        if self.recorder.enabled:
-            written = [c + 1 for c in step.starts]
-            prefill = sum(queries) - n
-            if step.events is not None:  # the rows past the decodes: chunks, admissions
-                fed = {row.seq: row.num_new_tokens for row in events.scheduled}
-                for seq in batch.seqs[n:]:
-                    written.append(seq.num_computed_tokens + fed.get(seq, 0))
-                for row in events.scheduled:  # prompt tokens, unless one row computes the
-                    # one token left past its prompt (a recompute's prefix hit)
-                    prefill -= row.num_new_tokens == 1 and decodes(row.seq)
-            rows = tuple.__new__(Rows, (batch.seqs, batch.preempts, list(batch.held), written))
-            snapshot = self.recorder.snapshot_batch(
-                self.allocator.stats(),
-                rows,
-                prefill,
-                sum(queries) - prefill,
-                len(scheduler.waiting),
-            )
-        tokens = forward.tokens.tolist()
-        done = self.clock.after(time.perf_counter() - start)
-        sampled = batch.seqs[:n]
-        if step.events is not None:
             sampled += [row.seq for row in events.scheduled if row.samples]
-        scheduler.update_batch(step, tokens, done)
+        state = StepState(start)
+        if self.runner.computes_logits:
+            forward = self.runner.forward(self._batch_rows(step, state))
+        else:
+            forward = self.runner.forward(_batch_shape(step))
+        work = step_work(events or _NO_EVENTS, forward.work, False)
+        self.clock.charge(work)
+        if forward.logits is not None:
+            argmax = (
+                not state.prompt_positions
+                and not argmax_on_host(forward.logits.dtype)
+                and self.sampler.argmax_rows(sampled)
+            )
+            forward = self._start(forward, state, argmax)
+        snapshot = self._batch_snapshot(step)
+        if forward.logits is not None:
+            self._wait(forward, state)
+        if state.prompt_positions:  # a prompt's logprobs: the general draw, over the plan
+            rows = [Scheduled(seq, 1, True) for seq in sampled[:n]]
+            plan = SchedulerOutput(scheduled=rows + events.scheduled)
+            drawn = self.sampler.draw(plan, forward, {}, state.prompt_positions)
+        else:
+            drawn = self.sampler.draw_rows(sampled, forward)
+        done = self.clock.after(time.perf_counter() - start)
+        self.scheduler.update_batch(step, drawn.tokens, done)
         self._settle()
+        self._add_logprobs(sampled, drawn)
         outputs += self._report(sampled)
-        self._record(events, snapshot, now, moved, forward, work, StepState(start))
+        self._record(events or _NO_EVENTS, snapshot, now, moved, forward, work, state)
         return outputs
+
+    def _batch_rows(self, step: BatchStep, state: StepState) -> list[Row]:
+        """A batch step's ``Row``s: each decode's last token from its start, over its block
+        table, one logit; then the other rows as ``_build_rows`` builds any plan's."""
+        batch = self.scheduler.batch
+        tables = self.allocator.block_tables(batch.ids[: len(step.starts)])
+        new_row = tuple.__new__  # as _build_rows does
+        rows = [
+            new_row(Row, ([seq.token_ids[start]], start, table, 1, (), ()))
+            for seq, start, table in zip(batch.seqs, step.starts, tables)  # noqa: B905 (the decodes)
+        ]
+        if step.events is not None:
+            rows += self._build_rows(step.events, state)
+        return rows
+
+    def _batch_snapshot(self, step: BatchStep) -> Snapshot | None:
+        """A batch step's memory and queues (``Recorder.snapshot_batch``): each row's
+        slots written by this step's end, the prompt and decode tokens it computes."""
+        if not self.recorder.enabled:
+            return None
+        batch = self.scheduler.batch
+        written = [c + 1 for c in step.starts]
+        fed = prefill = 0
+        if step.events is not None:  # the rows past the decodes: chunks, admissions
+            scheduled = step.events.scheduled
+            new = {row.seq: row.num_new_tokens for row in scheduled}
+            for seq in batch.seqs[len(written) :]:
+                written.append(seq.num_computed_tokens + new.get(seq, 0))
+            for row in scheduled:  # prompt tokens, unless one row computes the one token
+                # left past its prompt (a recompute's prefix hit)
+                fed += row.num_new_tokens
+                prefill += row.num_new_tokens - (row.num_new_tokens == 1 and decodes(row.seq))
+        rows = tuple.__new__(Rows, (batch.seqs, batch.preempts, list(batch.held), written))
+        return self.recorder.snapshot_batch(
+            self.allocator.stats(),
+            rows,
+            prefill,
+            len(step.starts) + fed - prefill,
+            len(self.scheduler.waiting),
+        )
 
     def _collect_owed(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Outputs of aborts since the last step and of the requests the scheduler rejected
@@ -430,10 +459,7 @@ class LLMEngine:
         snapshot = self._snapshot(plan, step)
         outputs = []
         if forward is not None:
-            waited = time.perf_counter()
-            wanted = step.tokens if step.tokens is not None else forward.logits
-            self.runner.wait([] if wanted is None else [wanted])
-            step.waited += time.perf_counter() - waited
+            self._wait(forward, step)
             outputs = self._postprocess(plan, forward, step)
         self._record(plan, snapshot, now, moved, forward, work, step)
         return outputs
@@ -495,22 +521,37 @@ class LLMEngine:
         self.clock.charge(work)
         if forward is not None:
             logits = forward.logits
-            if logits is not None and (
+            argmax = logits is not None and (
                 on_device
                 or not argmax_on_host(logits.dtype)
                 and self.sampler.argmax_only(plan, step.proposals, step.prompt_positions)
-            ):
-                # The step's tokens are its logits' argmax, which MLX takes: part of the
-                # forward's graph, as mlx_lm's generate and vLLM's sampler on the device take
-                # theirs.
-                step.tokens = mx.argmax(logits, axis=-1)
-                if not on_device:  # the sampler reads them (a pipelined step carries them)
-                    forward = replace(forward, tokens=step.tokens)
-            wanted = step.tokens if step.tokens is not None else forward.logits
-            launched = time.perf_counter()
-            self.runner.launch([] if wanted is None else [wanted])  # blocks on MLX's CPU build
-            step.waited += time.perf_counter() - launched
+            )
+            forward = self._start(forward, step, argmax, on_device)
         return forward, work
+
+    def _start(
+        self, forward: Forward, step: StepState, argmax: bool, on_device: bool = False
+    ) -> Forward:
+        """Start computing ``forward`` (``runner.launch``); ``argmax``: the step's tokens
+        are its logits' argmax, which MLX takes, part of the forward's graph, as mlx_lm's
+        generate and vLLM's sampler on the device take theirs (``on_device``: left there for
+        a pipelined step to carry, else the sampler reads them as ``Forward.tokens``)."""
+        if argmax:
+            step.tokens = mx.argmax(forward.logits, axis=-1)
+            if not on_device:
+                forward = replace(forward, tokens=step.tokens)
+        wanted = step.tokens if step.tokens is not None else forward.logits
+        launched = time.perf_counter()
+        self.runner.launch([] if wanted is None else [wanted])  # blocks on MLX's CPU build
+        step.waited += time.perf_counter() - launched
+        return forward
+
+    def _wait(self, forward: Forward, step: StepState) -> None:
+        """Block until the step's tokens (or logits) and the arena's writes are computed."""
+        waited = time.perf_counter()
+        wanted = step.tokens if step.tokens is not None else forward.logits
+        self.runner.wait([] if wanted is None else [wanted])
+        step.waited += time.perf_counter() - waited
 
     def _snapshot(self, plan: SchedulerOutput, step: StepState) -> Snapshot | None:
         """The step's memory and queues, taken while its forward computes."""
@@ -628,17 +669,21 @@ class LLMEngine:
                 kept = got.tokens[: len(seq.token_ids) - lengths[seq]]
                 for token, token_logprobs in zip(kept, got.logprobs, strict=False):
                     self.outputs.add_logprobs(seq, token, token_logprobs)
-        logprobs = drawn.logprobs
-        if logprobs.count(None) != len(logprobs):
-            for seq, token, token_logprobs in zip(sampled, tokens, logprobs, strict=True):
-                if token_logprobs is not None:
-                    self.outputs.add_logprobs(seq, token, token_logprobs)
+        self._add_logprobs(sampled, drawn)
         outputs = self._report([seq for seq, _ in verified] + sampled if verified else sampled)
         for seq, candidates in drawn.offering:
             outputs += self.forks.offer(seq, candidates, now)
         if drawn.offering:
             self._settle()
         return outputs
+
+    def _add_logprobs(self, sampled: list[Seq], drawn: Drawn) -> None:
+        """The logprobs of each sampled token that asked for them (``SamplingParams.logprobs``)."""
+        logprobs = drawn.logprobs
+        if logprobs.count(None) != len(logprobs):
+            for seq, token, token_logprobs in zip(sampled, drawn.tokens, logprobs, strict=True):
+                if token_logprobs is not None:
+                    self.outputs.add_logprobs(seq, token, token_logprobs)
 
     def _report(self, progressed: list[Seq]) -> list[RequestOutput]:
         """One output per request of the sequences that got tokens, once all are in."""
@@ -659,3 +704,17 @@ class LLMEngine:
                 seen.add(group)
                 outputs += report_progress(seq)
         return outputs
+
+
+def _batch_shape(step: BatchStep) -> StepShape:
+    """A batch step's shape for a runner that computes no logits (``StepShape``): one token
+    and one logit a decode, then the other rows' tokens from where they start."""
+    n = len(step.starts)
+    queries, starts, num_logits = [1] * n, step.starts, [1] * n
+    if step.events is not None:
+        starts = list(starts)
+        for row in step.events.scheduled:
+            queries.append(row.num_new_tokens)
+            starts.append(row.seq.num_computed_tokens)
+            num_logits.append(int(row.samples))
+    return StepShape(queries, starts, num_logits, {})

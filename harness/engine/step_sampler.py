@@ -81,13 +81,7 @@ class StepSampler:
         if not (proposals or prompt_positions or requests.beams or requests.groups):
             # Most steps: each row that samples has one row of logits, in plan order, and
             # nothing else does (no drafts, prompt logprobs, beam offers or forks).
-            drawn.sampled = [s.seq for s in plan.scheduled if s.samples]
-            if forward.tokens is not None:
-                drawn.tokens = forward.tokens.tolist()
-                drawn.logprobs = [None] * len(drawn.tokens)
-            elif drawn.sampled:
-                self._sample(drawn, logits)
-            return drawn
+            return self.draw_rows([s.seq for s in plan.scheduled if s.samples], forward)
         sampling, verifying, offset = [], {}, 0  # rows that sample and verify, by logits row
         for s in plan.scheduled:
             seq = s.seq
@@ -140,6 +134,18 @@ class StepSampler:
             self._sample(drawn, logits)
         return drawn
 
+    def draw_rows(self, sampled: list[Seq], forward: Forward) -> Drawn:
+        """``draw`` of a step whose rows that sample are ``sampled``, each with one row of
+        logits in order, and whose other rows ask for none (no drafts, prompt logprobs,
+        beam offers or forks): a running batch's step, and most steps of any plan."""
+        drawn = Drawn(sampled=sampled)
+        if forward.tokens is not None:
+            drawn.tokens = forward.tokens.tolist()
+            drawn.logprobs = [None] * len(drawn.tokens)
+        elif sampled:
+            self._sample(drawn, forward.logits)
+        return drawn
+
     def argmax_only(
         self,
         plan: SchedulerOutput,
@@ -152,19 +158,19 @@ class StepSampler:
         requests = self.requests
         if proposals or prompt_positions or requests.beams or requests.groups:
             return False
-        return self._argmax_only([s.seq for s in plan.scheduled if s.samples])
+        return self.argmax_rows([s.seq for s in plan.scheduled if s.samples])
 
     def _sample(self, drawn: Drawn, logits: mx.array) -> None:
         """Draw a token for each of ``drawn.sampled`` from its row of ``logits``."""
         to_sample = drawn.sampled
-        if self._argmax_only(to_sample):  # no row needs a SampleRow
+        if self.argmax_rows(to_sample):  # no row needs a SampleRow
             drawn.tokens, drawn.logprobs = argmax_tokens(logits), [None] * len(to_sample)
             return
         rows = [self.outputs.sample_row(seq) for seq in to_sample]
         sampled = sample(logits, rows, self.logprobs_mode)
         drawn.tokens, drawn.logprobs = [p.token for p in sampled], [p.logprobs for p in sampled]
 
-    def _argmax_only(self, seqs: list[Seq]) -> bool:
+    def argmax_rows(self, seqs: list[Seq]) -> bool:
         """Every one of ``seqs`` takes the argmax. ``takes_argmax`` is asked only of those not
         in the last step's set: a step of the same sequences is one set comparison (by
         identity, no attribute of a sequence read)."""

@@ -3,9 +3,11 @@ the tables and outputs the general step gives, column by column, and keep their 
 running set moves: admissions, finishes, prompts in chunks, preemptions, stops on a token,
 forks, aborts.
 
-Each case replays the same requests twice on the model clock, batch steps on and off, and
-compares the recorder's step and request columns; it also checks that the batch decided most
-of the steps (else the comparison says nothing)."""
+Each case replays the same requests twice, batch steps on and off, and compares the
+recorder's step and request columns and every output returned; it also checks that the
+batch decided most of the steps (else the comparison says nothing). Most cases run on the
+model clock; the real engine's (the tiny model's forward, sampling, logprobs, EOS and stop
+ids) compare all but the columns a measuring clock times."""
 
 from __future__ import annotations
 
@@ -35,17 +37,15 @@ class Replayed(NamedTuple):
     returned: list[tuple]  # per output a step returned: step, request, finished, tokens, time
 
 
-def replay(model, allocator, scheduler, requests, *, batch_steps, num_blocks=64, abort=None):
-    """Replay ``requests`` (id, prompt, params, arrival) on the model clock; the engine and
-    how many of its steps the batch decided. ``abort``: (step, request id) aborted then."""
+def replay(
+    model, allocator, scheduler, requests, *, batch_steps, num_blocks=64, abort=None, real=False
+):
+    """Replay ``requests`` (id, prompt, params, arrival) on the model clock (``real``: the
+    model's forward on a virtual clock, its times left out of what is returned); the engine
+    and how many of its steps the batch decided. ``abort``: (step, request id) aborted then."""
+    clock = {"clock": "virtual"} if real else {"clock": "model", "profile": PROFILE}
     engine = build_engine(
-        model,
-        allocator,
-        scheduler,
-        num_blocks=num_blocks,
-        clock="model",
-        profile=PROFILE,
-        batch_steps=batch_steps,
+        model, allocator, scheduler, num_blocks=num_blocks, batch_steps=batch_steps, **clock
     )
     scheduler = engine.scheduler
     decided = []
@@ -71,7 +71,10 @@ def replay(model, allocator, scheduler, requests, *, batch_steps, num_blocks=64,
             engine.abort_request(abort[1])
         for out in engine.step(pending[0][3] if pending else None):
             tokens = [tuple(c.token_ids) for c in out.outputs]
-            returned.append((steps, out.request_id, out.finished, tokens, out.finished_time))
+            when = None if real else out.finished_time
+            got = [(c.finish_reason, c.stop_reason, repr(c.logprobs)) for c in out.outputs]
+            returned.append((steps, out.request_id, out.finished, tokens, got, when))
+            returned.append(repr(out.prompt_logprobs))
         steps += 1
     return Replayed(engine, sum(decided), returned)
 
@@ -96,8 +99,15 @@ def requests(n, seed, *, max_tokens=(1, 40), params=None, shared=0):
     ]
 
 
-def assert_same_tables(a: Replayed, b: Replayed) -> None:
-    """The same step and request columns, and the same outputs returned at each step."""
+# What a measuring clock times (the real engine's): left out of its comparison.
+TIMED = {"start_time", "duration", "forward_time", "build_time", "mlx_active_bytes",
+         "mlx_peak_bytes", "first_scheduled_time", "first_token_time", "finish_time",
+         "token_times"}  # fmt: skip
+
+
+def assert_same_tables(a: Replayed, b: Replayed, timed: bool = True) -> None:
+    """The same step and request columns, and the same outputs returned at each step (not
+    ``timed``: but the columns a measuring clock times, ``TIMED``)."""
     assert a.returned == b.returned
     ra, rb = a.engine.recorder, b.engine.recorder
     for name, (x, y) in {
@@ -105,7 +115,7 @@ def assert_same_tables(a: Replayed, b: Replayed) -> None:
         "requests": (ra.request_columns(), rb.request_columns()),
     }.items():
         assert list(x) == list(y)
-        for column in x:
+        for column in set(x) if timed else set(x) - TIMED:
             left, right = x[column], y[column]
             if isinstance(left, np.ndarray):
                 np.testing.assert_array_equal(left, right, err_msg=f"{name}.{column}")
@@ -151,9 +161,9 @@ def test_batch_steps_give_the_general_steps_tables(model, case, seed):
     batched.engine.allocator.check()
 
 
-def test_stops_on_a_token_forks_and_an_abort_leave_the_batch_for_the_general_step(model):
-    """Requests that may stop on a token (a stop id), n = 2 and an abort mid-run take the
-    general step around them; the tables stay the general step's."""
+def test_stops_on_a_token_forks_and_an_abort_give_the_general_steps_tables(model):
+    """Requests that may stop on a token (a stop id) stop inside the batch; n = 2 and an
+    abort mid-run take the general step around them; the tables stay the general step's."""
     stop = SamplingParams(max_tokens=30, stop_token_ids=list(range(3, 1024, 9)))
     params = {
         0: SamplingParams(max_tokens=300, ignore_eos=True, output_kind="final_only"),
@@ -268,4 +278,46 @@ def test_random_configurations_give_the_general_steps_tables(model, seed):
     batched = replay(model, allocator, scheduler, reqs, batch_steps=True, num_blocks=num_blocks)
     assert batched.decided > 0
     assert_same_tables(batched, general)
+    batched.engine.allocator.check()
+
+
+REAL_CASES = {
+    "fcfs_free_list": (FreeListAllocator, FCFS, {}, 256),
+    "radix_small_arena_evicts": (RadixAllocator, FCFS, {"shared": 16}, 24),
+    "chunked_radix": (RadixAllocator, CHUNKED, {"shared": 16}, 256),
+}
+
+
+@pytest.mark.parametrize("case", list(REAL_CASES))
+def test_the_real_engine_takes_batch_steps_with_the_general_steps_tokens(model, case):
+    """The tiny model's forward over batch steps: the same tokens, logprobs, prompt
+    logprobs, stops (EOS, stop ids, length) and step and request columns (but the timed) as
+    over the general step; requests that sample (seeded), ask for logprobs or prompt
+    logprobs, or stop on a token, among greedy ones; every request arrives at once, so the
+    schedule does not depend on the measured times."""
+    allocator, scheduler, extra, num_blocks = REAL_CASES[case]
+    stop_ids = list(range(3, 1024, 7))
+    params = {
+        1: SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True),
+        2: SamplingParams(max_tokens=20, logprobs=2, ignore_eos=True),
+        4: SamplingParams(max_tokens=25, stop_token_ids=stop_ids),
+        6: SamplingParams(max_tokens=40),  # EOS may stop it
+        9: SamplingParams(
+            max_tokens=25, temperature=1.0, top_p=0.9, seed=3, stop_token_ids=stop_ids
+        ),  # fmt: skip
+        # Let in by a batch step (eight run at once): its prompt's logprobs in one.
+        10: SamplingParams(max_tokens=12, prompt_logprobs=1, ignore_eos=True),
+        11: SamplingParams(max_tokens=9, logprobs=1, temperature=0.5, seed=1, ignore_eos=True),
+    }
+    reqs = [(rid, p, sp, 0.0) for rid, p, sp, _ in requests(12, 3, params=params, **extra)]
+    general = replay(model, allocator, scheduler, reqs, batch_steps=False,
+                     num_blocks=num_blocks, real=True)  # fmt: skip
+    batched = replay(model, allocator, scheduler, reqs, batch_steps=True,
+                     num_blocks=num_blocks, real=True)  # fmt: skip
+    assert general.decided == 0
+    num_steps = len(batched.engine.recorder.step_columns()["step"])
+    assert batched.decided > num_steps // 2, f"the batch decided {batched.decided} of {num_steps}"
+    assert_same_tables(batched, general, timed=False)
+    finish = batched.engine.recorder.request_columns()["finish_reason"]
+    assert "stop" in finish and "length" in finish
     batched.engine.allocator.check()

@@ -389,13 +389,13 @@ def host_draws(engine) -> list[bool]:
     """Per step that draws tokens from now on: whether its sampler read the logits on the
     host (no ``Forward.tokens`` from the forward's graph)."""
     draws = []
-    draw = engine.sampler.draw
+    draw = engine.sampler.draw_rows  # every step's here: no drafts, prompt logprobs or beams
 
-    def drawn(plan, forward, proposals, positions):
+    def drawn(sampled, forward):
         draws.append(forward.tokens is None)
-        return draw(plan, forward, proposals, positions)
+        return draw(sampled, forward)
 
-    engine.sampler.draw = drawn
+    engine.sampler.draw_rows = drawn
     return draws
 
 

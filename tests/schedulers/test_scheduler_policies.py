@@ -244,9 +244,24 @@ def test_chunked_prefill_keeps_the_budget_and_never_starves_decodes(model):
         max_num_seqs=4,
         max_model_len=512,
     )
-    plans = []
-    schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda now: plans.append(schedule(now)) or plans[-1]
+    plans = []  # per step, each row's (request id, tokens computed), from either decision
+    scheduler = engine.scheduler
+    schedule, schedule_batch = scheduler.schedule, scheduler.schedule_batch
+
+    def general(now):
+        plan = schedule(now)
+        plans.append([(s.seq.request_id, s.num_new_tokens) for s in plan.scheduled])
+        return plan
+
+    def over_the_batch(now):
+        step = schedule_batch(now)
+        if step is not None:
+            rows = [(rid, 1) for rid in scheduler.batch.ids[: len(step.starts)]]
+            events = step.events.scheduled if step.events is not None else []
+            plans.append(rows + [(s.seq.request_id, s.num_new_tokens) for s in events])
+        return step
+
+    scheduler.schedule, scheduler.schedule_batch = general, over_the_batch
     for i in range(3):
         engine.add_request(f"d{i}", prompt(4, i), greedy(30))
     engine.step()  # the three short prompts prefill; from now on they decode
@@ -254,17 +269,12 @@ def test_chunked_prefill_keeps_the_budget_and_never_starves_decodes(model):
     done = run(engine)
     steps = engine.recorder.steps
     assert all(s["prefill_tokens"] + s["decode_tokens"] <= budget for s in steps)
-    assert all(s.num_new_tokens <= chunk for p in plans for s in p.scheduled)
+    assert all(n <= chunk for p in plans for _, n in p)
     # While the long prompt prefills (25 chunks of 8), each short request decodes every step.
-    long_steps = [
-        p
-        for p in plans
-        if any(s.seq.request_id == "long" and s.num_new_tokens > 1 for s in p.scheduled)
-    ]
+    long_steps = [p for p in plans if any(rid == "long" and n > 1 for rid, n in p)]
     assert len(long_steps) == 200 // chunk
     for p in long_steps:
-        decoding = {s.seq.request_id for s in p.scheduled if s.num_new_tokens == 1}
-        assert decoding == {"d0", "d1", "d2"}
+        assert {rid for rid, n in p if n == 1} == {"d0", "d1", "d2"}
     assert done["long"].outputs[0].token_ids == mlx_lm_tokens(model, prompt(200, 9), 3)
     for i in range(3):
         assert done[f"d{i}"].outputs[0].token_ids == mlx_lm_tokens(model, prompt(4, i), 30)

@@ -156,8 +156,9 @@ class Progress:
     ) -> list[tuple[int, Stop]]:
         """``advance`` and ``append_each`` of a step whose rows ``seqs`` each decoded one
         token (the running batch's: ``stop_at`` their length limits, 0 where a token may
-        stop one sooner), in one pass: their tokens, existing on the host at ``now``.
-        Returns the rows that stopped, in order, each with its stop."""
+        stop one sooner), in one pass: their tokens, existing on the host at ``now``. A
+        decoding row is past its first token, so none sets ``first_token_time``. Returns
+        the rows that stopped, in order, each with its stop."""
         bs, commit, stopped = self.allocator.block_size, self._commit, []
         check, max_seq_len = self.stopping.check, self.max_seq_len
         row = 0

@@ -42,6 +42,16 @@ def random_prompts(lengths: Iterable[int], seed: int) -> list[list[int]]:
     return [rng.integers(1, 1024, n).tolist() for n in lengths]
 
 
+class LetterTokenizer:
+    """A real (if tiny) tokenizer: token i is the letter chr(97 + i % 26)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
 class FakeTime:
     """An injected ``time.perf_counter`` and ``time.sleep``: time moves only when the test
     (or a sleep) moves it, so a test asserts durations it set instead of reading the wall."""

@@ -335,23 +335,29 @@ class LLMEngine:
             moved = self.host.move_blocks(events)
             sampled += [row.seq for row in events.scheduled if row.samples]
         state = StepState(start)
-        if self.runner.computes_logits:
+        real = self.runner.computes_logits
+        if real:
             forward = self.runner.forward(self._batch_rows(step, state))
         else:
-            forward = self.runner.forward(_batch_shape(step))
+            forward = self.runner.forward(self._batch_shape(step, state))
         work = step_work(events or _NO_EVENTS, forward.work, False)
         self.clock.charge(work)
-        if forward.logits is not None:
+        if real:  # started and waited on with or without logits: the arena's writes too
+            logits = forward.logits
             argmax = (
-                not state.prompt_positions
-                and not argmax_on_host(forward.logits.dtype)
+                logits is not None
+                and not state.prompt_positions
+                and not argmax_on_host(logits.dtype)
                 and self.sampler.argmax_rows(sampled)
             )
             forward = self._start(forward, state, argmax)
         snapshot = self._batch_snapshot(step)
-        if forward.logits is not None:
+        if real:
             self._wait(forward, state)
-        if state.prompt_positions:  # a prompt's logprobs: the general draw, over the plan
+        if state.prompt_positions:
+            # A prompt let in asks its logprobs: the general draw, over the step's rows as a
+            # plan (each decode one token that samples, then the other rows), in the order
+            # _batch_rows gave the runner.
             rows = [Scheduled(seq, 1, True) for seq in sampled[:n]]
             plan = SchedulerOutput(scheduled=rows + events.scheduled)
             drawn = self.sampler.draw(plan, forward, {}, state.prompt_positions)
@@ -360,7 +366,7 @@ class LLMEngine:
         done = self.clock.after(time.perf_counter() - start)
         self.scheduler.update_batch(step, drawn.tokens, done)
         self._settle()
-        self._add_logprobs(sampled, drawn)
+        self._add_logprobs(drawn)
         outputs += self._report(sampled)
         self._record(events or _NO_EVENTS, snapshot, now, moved, forward, work, state)
         return outputs
@@ -378,6 +384,18 @@ class LLMEngine:
         if step.events is not None:
             rows += self._build_rows(step.events, state)
         return rows
+
+    def _batch_shape(self, step: BatchStep, state: StepState) -> StepShape:
+        """A batch step's shape for a runner that computes no logits (``StepShape``): one
+        token and one logit a decode, then the other rows as ``_build_shape`` counts any
+        plan's."""
+        n = len(step.starts)
+        if step.events is None or not step.events.scheduled:
+            return StepShape([1] * n, step.starts, [1] * n, {})
+        rest = self._build_shape(step.events, state)
+        return StepShape(
+            [1] * n + rest.queries, step.starts + rest.starts, [1] * n + rest.num_logits, {}
+        )
 
     def _batch_snapshot(self, step: BatchStep) -> Snapshot | None:
         """A batch step's memory and queues (``Recorder.snapshot_batch``): each row's
@@ -669,7 +687,7 @@ class LLMEngine:
                 kept = got.tokens[: len(seq.token_ids) - lengths[seq]]
                 for token, token_logprobs in zip(kept, got.logprobs, strict=False):
                     self.outputs.add_logprobs(seq, token, token_logprobs)
-        self._add_logprobs(sampled, drawn)
+        self._add_logprobs(drawn)
         outputs = self._report([seq for seq, _ in verified] + sampled if verified else sampled)
         for seq, candidates in drawn.offering:
             outputs += self.forks.offer(seq, candidates, now)
@@ -677,11 +695,12 @@ class LLMEngine:
             self._settle()
         return outputs
 
-    def _add_logprobs(self, sampled: list[Seq], drawn: Drawn) -> None:
-        """The logprobs of each sampled token that asked for them (``SamplingParams.logprobs``)."""
+    def _add_logprobs(self, drawn: Drawn) -> None:
+        """The logprobs of each token drawn that asked for them (``SamplingParams.logprobs``)."""
         logprobs = drawn.logprobs
         if logprobs.count(None) != len(logprobs):
-            for seq, token, token_logprobs in zip(sampled, drawn.tokens, logprobs, strict=True):
+            tokens = drawn.tokens
+            for seq, token, token_logprobs in zip(drawn.sampled, tokens, logprobs, strict=True):
                 if token_logprobs is not None:
                     self.outputs.add_logprobs(seq, token, token_logprobs)
 
@@ -704,17 +723,3 @@ class LLMEngine:
                 seen.add(group)
                 outputs += report_progress(seq)
         return outputs
-
-
-def _batch_shape(step: BatchStep) -> StepShape:
-    """A batch step's shape for a runner that computes no logits (``StepShape``): one token
-    and one logit a decode, then the other rows' tokens from where they start."""
-    n = len(step.starts)
-    queries, starts, num_logits = [1] * n, step.starts, [1] * n
-    if step.events is not None:
-        starts = list(starts)
-        for row in step.events.scheduled:
-            queries.append(row.num_new_tokens)
-            starts.append(row.seq.num_computed_tokens)
-            num_logits.append(int(row.samples))
-    return StepShape(queries, starts, num_logits, {})

@@ -11,12 +11,13 @@ ids) compare all but the columns a measuring clock times."""
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 import pytest
-from support import ROOT, random_prompts
+from support import ROOT, LetterTokenizer, random_prompts
 
 from allocators.free_list import FreeListAllocator
 from allocators.radix import RadixAllocator
@@ -35,6 +36,7 @@ class Replayed(NamedTuple):
     engine: LLMEngine
     decided: int  # steps the batch decided
     returned: list[tuple]  # per output a step returned: step, request, finished, tokens, time
+    computed: list[str]  # the real runner's launch and wait calls, in order
 
 
 def replay(
@@ -57,6 +59,15 @@ def replay(
         return step
 
     scheduler.schedule_batch = counted
+    computed = []  # a model clock's are no-ops, which a batch step skips
+    for name in ("launch", "wait") if real else ():
+        call = getattr(engine.runner, name)
+
+        def counted_call(outputs, call=call, name=name):
+            computed.append(name)
+            return call(outputs)
+
+        setattr(engine.runner, name, counted_call)
     pending = sorted(requests, key=lambda r: r[3])
     steps, returned = 0, []
     while pending or engine.has_unfinished_requests():
@@ -76,7 +87,7 @@ def replay(
             returned.append((steps, out.request_id, out.finished, tokens, got, when))
             returned.append(repr(out.prompt_logprobs))
         steps += 1
-    return Replayed(engine, sum(decided), returned)
+    return Replayed(engine, sum(decided), returned, computed)
 
 
 def requests(n, seed, *, max_tokens=(1, 40), params=None, shared=0):
@@ -109,6 +120,7 @@ def assert_same_tables(a: Replayed, b: Replayed, timed: bool = True) -> None:
     """The same step and request columns, and the same outputs returned at each step (not
     ``timed``: but the columns a measuring clock times, ``TIMED``)."""
     assert a.returned == b.returned
+    assert a.computed == b.computed
     ra, rb = a.engine.recorder, b.engine.recorder
     for name, (x, y) in {
         "steps": (ra.step_columns(), rb.step_columns()),
@@ -291,16 +303,20 @@ REAL_CASES = {
 @pytest.mark.parametrize("case", list(REAL_CASES))
 def test_the_real_engine_takes_batch_steps_with_the_general_steps_tokens(model, case):
     """The tiny model's forward over batch steps: the same tokens, logprobs, prompt
-    logprobs, stops (EOS, stop ids, length) and step and request columns (but the timed) as
-    over the general step; requests that sample (seeded), ask for logprobs or prompt
-    logprobs, or stop on a token, among greedy ones; every request arrives at once, so the
-    schedule does not depend on the measured times."""
+    logprobs, stops (EOS, stop ids, stop strings, min_tokens, length), step and request
+    columns (but the timed) and the runner's launches and waits as over the general step;
+    requests that sample (seeded), ask for logprobs or prompt logprobs, or stop on a token,
+    among greedy ones; every request arrives at once, so the schedule does not depend on
+    the measured times. A letter a token (``LetterTokenizer``) gives stop strings a text."""
     allocator, scheduler, extra, num_blocks = REAL_CASES[case]
+    model = dataclasses.replace(model, tokenizer=LetterTokenizer())
     stop_ids = list(range(3, 1024, 7))
     params = {
         1: SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True),
         2: SamplingParams(max_tokens=20, logprobs=2, ignore_eos=True),
+        3: SamplingParams(max_tokens=30, stop=tuple("aeiou"), ignore_eos=True),
         4: SamplingParams(max_tokens=25, stop_token_ids=stop_ids),
+        5: SamplingParams(max_tokens=25, min_tokens=8, stop_token_ids=stop_ids),
         6: SamplingParams(max_tokens=40),  # EOS may stop it
         9: SamplingParams(
             max_tokens=25, temperature=1.0, top_p=0.9, seed=3, stop_token_ids=stop_ids
@@ -318,6 +334,9 @@ def test_the_real_engine_takes_batch_steps_with_the_general_steps_tokens(model, 
     num_steps = len(batched.engine.recorder.step_columns()["step"])
     assert batched.decided > num_steps // 2, f"the batch decided {batched.decided} of {num_steps}"
     assert_same_tables(batched, general, timed=False)
-    finish = batched.engine.recorder.request_columns()["finish_reason"]
-    assert "stop" in finish and "length" in finish
+    columns = batched.engine.recorder.request_columns()
+    stops = {rid: r for rid, r in zip(columns["request_id"], columns["finish_reason"],
+                                       strict=True)}  # fmt: skip
+    assert stops["r3"] == "stop" and "length" in stops.values()
+    assert sum(r == "stop" for r in stops.values()) >= 3
     batched.engine.allocator.check()

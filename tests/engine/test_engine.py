@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from reference import mlx_lm_tokens
-from support import ALLOCATORS, FakeTime, assert_all_free, build_with_policy
+from support import ALLOCATORS, FakeTime, LetterTokenizer, assert_all_free, build_with_policy
 
 from allocators.buddy import BuddyAllocator
 from allocators.contiguous import ContiguousAllocator
@@ -288,16 +288,6 @@ def test_a_request_from_another_thread_arrives_when_it_is_handed_over(model, pro
         clock.released.set()
     client.join()
     assert engine.scheduler.waiting[0].arrival_time == 0.0
-
-
-class LetterTokenizer:
-    """A real (if tiny) tokenizer: token i is the letter chr(97 + i % 26)."""
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) - 97 for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(97 + i % 26) for i in ids)
 
 
 def test_stop_strings_and_text_prompts_with_a_tokenizer(model):

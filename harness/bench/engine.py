@@ -78,10 +78,11 @@ def workload_engine(
     new: list[int],
     batch: int,
     block_size: int,
+    batch_steps: bool = True,
 ) -> LLMEngine:
     """An FCFS engine with room for every request at once, at most ``batch`` running, and
     the greedy requests added (all at t=0): stepping it to the end runs the workload.
-    ``allocator`` is a conf/allocator/ option."""
+    ``allocator`` is a conf/allocator/ option; ``batch_steps`` the engine's."""
     longest = max(len(p) + n for p, n in zip(prompts, new, strict=True))
     need = sum(-(-(len(p) + n) // block_size) for p, n in zip(prompts, new, strict=True))
     cfg = compose_config(
@@ -99,6 +100,7 @@ def workload_engine(
         block_size=block_size,
         num_blocks=2 * need + 16,  # slack so region allocators grow without preempting
         max_model_len=longest,
+        batch_steps=batch_steps,
     )
     for i, (p, n) in enumerate(zip(prompts, new, strict=True)):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))

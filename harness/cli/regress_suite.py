@@ -17,7 +17,10 @@ other counts and the policy figures below gate everywhere against ``COMMON_BASEL
                                comprehension is a call, a map over the batch is none, though
                                it may execute more: bench instructions counts what runs)
                                <w>: bench engine's uniform and mixed workloads (tiny model,
-                               free list, FCFS, at most 8 running)
+                               free list, FCFS, at most 8 running); general: the mixed one
+                               with engine.batch_steps off, every step the general one (the
+                               path of every policy, allocator and mode the running batch
+                               does not cover)
     work.contiguous.block_copies   block copies of the mixed workload on contiguous regions
     work.padding.prefill, work.padding.decode   bench padding's mixed batch / the sum of its
                                parts, in query positions (prefill) and KV slots read (decode)
@@ -177,6 +180,7 @@ FIGURES = {
                 Figure(f"work.{name}.calls_per_step", "work", "lower", CALLS, python_calls=True),
             )
         ),
+        Figure("work.general.calls_per_step", "work", "lower", CALLS, python_calls=True),
         Figure("work.contiguous.block_copies", "work", "lower", EXACT),
         Figure("work.padding.prefill", "work", "lower", EXACT),
         Figure("work.padding.decode", "work", "lower", EXACT),
@@ -212,13 +216,15 @@ def engine_workloads(vocab: int) -> dict[str, Workload]:
     }
 
 
-def replay(loaded: LoadedModel, allocator: str, workload: Workload) -> tuple[list[dict], int]:
+def replay(
+    loaded: LoadedModel, allocator: str, workload: Workload, batch_steps: bool = True
+) -> tuple[list[dict], int]:
     """Run ``workload`` to the end on a fresh FCFS engine over ``allocator`` (a
     conf/allocator/ option), every request in before the first step (so the schedule, hence
     every step row's counts, is the same on any machine under any load); its step rows, and
     the Python function calls made while stepping (profile "call" events: functions,
     methods, generator resumptions; C functions not counted)."""
-    engine = bench_engine.workload_engine(loaded, allocator, *workload, BLOCK_SIZE)
+    engine = bench_engine.workload_engine(loaded, allocator, *workload, BLOCK_SIZE, batch_steps)
     calls = 0
 
     def count(frame, event: str, arg) -> None:
@@ -250,6 +256,8 @@ def work_figures(loaded: LoadedModel) -> dict[str, float]:
             f"work.{name}.row_groups": total["row_groups"],
             f"work.{name}.calls_per_step": calls / len(steps),
         }
+    steps, calls = replay(loaded, "free_list", workloads["mixed"], batch_steps=False)
+    figures["work.general.calls_per_step"] = calls / len(steps)
     steps, _ = replay(loaded, "contiguous", workloads["mixed"])
     figures["work.contiguous.block_copies"] = sum(s["block_copies"] for s in steps)
     # bench padding's cases in work instead of seconds: mixed batch / the parts' sum

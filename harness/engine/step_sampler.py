@@ -75,13 +75,12 @@ class StepSampler:
         """The step's tokens; ``proposals``: the drafts each verification fed;
         ``prompt_positions``: the prompt positions each row asked logits for (its rows'
         layout, as the engine built them)."""
-        logits = forward.logits
         requests = self.requests
-        drawn = Drawn()
         if not (proposals or prompt_positions or requests.beams or requests.groups):
             # Most steps: each row that samples has one row of logits, in plan order, and
             # nothing else does (no drafts, prompt logprobs, beam offers or forks).
             return self.draw_rows([s.seq for s in plan.scheduled if s.samples], forward)
+        logits, drawn = forward.logits, Drawn()
         sampling, verifying, offset = [], {}, 0  # rows that sample and verify, by logits row
         for s in plan.scheduled:
             seq = s.seq

@@ -140,7 +140,8 @@ def test_each_committed_figure_is_in_the_baseline_of_its_kind_once():
     assert set(common) == shared
     assert not set(linux) & shared
     assert {n for n in linux if n.endswith("calls_per_step")} == {
-        "work.uniform.calls_per_step", "work.mixed.calls_per_step"
+        "work.uniform.calls_per_step", "work.mixed.calls_per_step",
+        "work.general.calls_per_step",
     }  # fmt: skip
 
 
@@ -202,7 +203,7 @@ def test_an_unchanged_run_passes_against_the_baseline_it_just_wrote(baseline, tm
         k: v for k, v in before.items() if k not in calls
     }
     assert all(abs(report["figures"][k] / before[k] - 1) < 0.001 for k in calls)
-    assert capsys.readouterr().out.rstrip().endswith("figures: 11 passed, 0 failed")
+    assert capsys.readouterr().out.rstrip().endswith("figures: 12 passed, 0 failed")
 
 
 def test_more_host_work_per_step_fails_naming_the_calls_per_step(
@@ -225,8 +226,8 @@ def test_more_host_work_per_step_fails_naming_the_calls_per_step(
         regress.main([*WORK, "--baseline", str(baseline), "--output", str(tmp_path)])
     assert exit_.value.code == 1
     err = capsys.readouterr().err
-    for name in ("work.uniform.calls_per_step", "work.mixed.calls_per_step"):
-        assert f"regressed: {name} = " in err, err
+    for name in ("uniform", "mixed", "general"):
+        assert f"regressed: work.{name}.calls_per_step = " in err, err
 
 
 def test_padded_batches_fail_naming_the_padding_counts(baseline, tmp_path, capsys, monkeypatch):

@@ -440,21 +440,19 @@ class Scheduler(ABC):
         batch, progress = self.batch, self.progress
         n = len(step.starts)
         seqs = batch.seqs
-        stops = progress.decode(seqs[:n], tokens, now, batch.stop_at)
-        rows = [row for row, _ in stops]
-        stopped = [(seqs[row], reason, why) for row, (reason, why) in stops]
+        stops = progress.decode(seqs[:n], tokens, now, batch.stop_at)  # (row, stop)
         events = step.events
         if events is not None and events.scheduled:
             progress.advance(events, {})
             sampled = [row.seq for row in events.scheduled if row.samples]
-            for seq, (reason, why) in progress.append_each(sampled, tokens[n:], now):
-                rows.append(seqs.index(seq, n))
-                stopped.append((seq, reason, why))
-        if rows:
-            batch.drop(rows)
+            for seq, stop in progress.append_each(sampled, tokens[n:], now):
+                stops.append((seqs.index(seq, n), stop))
+        stopped = [(seqs[row], stop) for row, stop in stops] if stops else ()
+        if stopped:  # most steps stop nobody: no list made for them
+            batch.drop([row for row, _ in stops])
         if events is not None:
             batch.settle()
-        for seq, reason, why in stopped:
+        for seq, (reason, why) in stopped:
             self.finish(seq, reason, now, stop_reason=why)
 
     def _stalled_by_parked(self) -> bool:

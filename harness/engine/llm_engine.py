@@ -43,7 +43,7 @@ from harness.engine.model_runner import Forward, ModelRunner, Row, Runner
 from harness.engine.modelled import step_work
 from harness.engine.outputs import OutputProcessor, prompt_positions
 from harness.engine.pipeline import Pipeline
-from harness.engine.recorder import Recorder, Rows, Snapshot
+from harness.engine.recorder import Recorder, Snapshot
 from harness.engine.request import RequestOutput, Seq
 from harness.engine.request_table import RequestTable
 from harness.engine.sampling import argmax_on_host
@@ -56,7 +56,6 @@ from harness.engine.tier_kv import TierKV
 from harness.engine.window import WindowTables
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
-from schedulers.batch import decodes
 from schedulers.output import BatchStep, Scheduled, StepResults
 from schedulers.request import Status
 from schedulers.stats import kv_stats
@@ -351,7 +350,10 @@ class LLMEngine:
                 and self.sampler.argmax_rows(sampled)
             )
             forward = self._start(forward, state, argmax)
-        snapshot = self._batch_snapshot(step)
+        snapshot = None
+        if self.recorder.enabled:  # the step's memory and queues, taken while it computes
+            waiting = len(self.scheduler.waiting)
+            snapshot = self.recorder.snapshot_batch(self.allocator.stats(), batch, step, waiting)
         if real:
             self._wait(forward, state)
         if state.prompt_positions:
@@ -395,32 +397,6 @@ class LLMEngine:
         rest = self._build_shape(step.events, state)
         return StepShape(
             [1] * n + rest.queries, step.starts + rest.starts, [1] * n + rest.num_logits, {}
-        )
-
-    def _batch_snapshot(self, step: BatchStep) -> Snapshot | None:
-        """A batch step's memory and queues (``Recorder.snapshot_batch``): each row's
-        slots written by this step's end, the prompt and decode tokens it computes."""
-        if not self.recorder.enabled:
-            return None
-        batch = self.scheduler.batch
-        written = [c + 1 for c in step.starts]
-        fed = prefill = 0
-        if step.events is not None:  # the rows past the decodes: chunks, admissions
-            scheduled = step.events.scheduled
-            new = {row.seq: row.num_new_tokens for row in scheduled}
-            for seq in batch.seqs[len(written) :]:
-                written.append(seq.num_computed_tokens + new.get(seq, 0))
-            for row in scheduled:  # prompt tokens, unless one row computes the one token
-                # left past its prompt (a recompute's prefix hit)
-                fed += row.num_new_tokens
-                prefill += row.num_new_tokens - (row.num_new_tokens == 1 and decodes(row.seq))
-        rows = tuple.__new__(Rows, (batch.seqs, batch.preempts, list(batch.held), written))
-        return self.recorder.snapshot_batch(
-            self.allocator.stats(),
-            rows,
-            prefill,
-            len(step.starts) + fed - prefill,
-            len(self.scheduler.waiting),
         )
 
     def _collect_owed(self, plan: SchedulerOutput) -> list[RequestOutput]:

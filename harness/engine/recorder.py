@@ -35,7 +35,8 @@ from harness.analysis.metrics import REQUEST_SCHEMA, STEP_SCHEMA
 from harness.costmodel.work import COLUMNS, StepWork
 from harness.engine.request import Seq
 from harness.engine.speculative import Verifications
-from schedulers.output import KVStats, SchedulerOutput
+from schedulers.batch import RunningBatch, decodes
+from schedulers.output import BatchStep, KVStats, SchedulerOutput
 
 _TYPECODES = {"int": "q", "float": "d"}  # a column's array, by its kind
 
@@ -293,18 +294,32 @@ class Recorder:
         )
 
     def snapshot_batch(
-        self, blocks: AllocatorStats, rows: Rows, prefill: int, decode: int, num_waiting: int
+        self, blocks: AllocatorStats, batch: RunningBatch, step: BatchStep, num_waiting: int
     ) -> Snapshot | None:
-        """``snapshot`` of a running batch's step (``Scheduler.schedule_batch``), from its
-        columns (``rows``, lists the recorder keeps) and its ``prefill`` and ``decode``
-        tokens. A paged allocator's, with no draft or window blocks, nothing swapped and no
-        unusable free block. Its tokens are the slots written less those counted twice: the
-        allocator's sequences are the running ones, so its token total is theirs, whatever
-        growth they left unreported (contract version 5)."""
+        """``snapshot`` of a running batch's step (``Scheduler.schedule_batch``), from the
+        batch's columns: each row's slots written by the step's end, and the prompt and
+        decode tokens the step computes (a row of one token past its prompt decodes, as in
+        ``snapshot``). A paged allocator's, with no draft or window blocks, nothing swapped
+        and no unusable free block. Its tokens are the slots written less those counted
+        twice: the allocator's sequences are the running ones, so its token total is theirs,
+        whatever growth they left unreported (contract version 5)."""
         if not self.enabled:
             return None
         self._open()
-        tokens = sum(rows.written) - blocks.shared_slots
+        written = [c + 1 for c in step.starts]
+        fed = prefill = 0
+        if step.events is not None:  # the rows past the decodes: chunks, admissions
+            scheduled = step.events.scheduled
+            new = {row.seq: row.num_new_tokens for row in scheduled}
+            for seq in batch.seqs[len(written) :]:
+                written.append(seq.num_computed_tokens + new.get(seq, 0))
+            for row in scheduled:  # prompt tokens, unless one row computes the one token
+                # left past its prompt (a recompute's prefix hit)
+                fed += row.num_new_tokens
+                prefill += row.num_new_tokens - (row.num_new_tokens == 1 and decodes(row.seq))
+        rows = tuple.__new__(Rows, (batch.seqs, batch.preempts, list(batch.held), written))
+        tokens = sum(written) - blocks.shared_slots
+        decode = len(step.starts) + fed - prefill
         return self._snapshot(blocks, rows, tokens, prefill, decode, (num_waiting, 0, 0), (0, 0))
 
     def _snapshot(

@@ -36,13 +36,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain, compress, repeat
-from operator import attrgetter, ge
+from operator import attrgetter, ge, sub
 
 from allocators.base import NO_COPIES, Allocation, BlockAllocator, blocks_for
 from schedulers.admission import fits, never_fits, take_blocks, write_back
 from schedulers.batch import RunningBatch
+from schedulers.decode_run import DecodeRun
 from schedulers.kv_groups import DraftKV, WindowRings
 from schedulers.limits import check_limits
 from schedulers.lookahead import Lookahead
@@ -58,7 +59,7 @@ from schedulers.output import (  # noqa: F401  (re-exported: part of the contrac
     SwapIn,
     SwapOut,
 )
-from schedulers.progress import Progress
+from schedulers.progress import LENGTH, Progress, Stop
 from schedulers.request import Request, Status
 from schedulers.stopping import Stopping
 from schedulers.swap_space import SwapSpace
@@ -377,17 +378,8 @@ class Scheduler(ABC):
         None, deciding nothing, when the step is another kind: rows out of the order the
         batch keeps, memory short of the decodes' blocks (a preemption), queues or holds the
         batch does not keep; then ``schedule`` decides it."""
-        batch = self.batch
-        if (
-            batch is None
-            or not self.running
-            or self.swapped
-            or self.parked
-            or self.draining
-            or self.restored
-        ):
-            return None
-        if batch.stale and not batch.read(self.running):
+        batch = self._ready_batch()
+        if batch is None:
             return None
         seqs, limits, d = batch.seqs, batch.limits, batch.decodes
         left = self.max_num_batched_tokens - d
@@ -412,16 +404,8 @@ class Scheduler(ABC):
                         return None  # not its blocks from admission: the general step
                     events.scheduled.append(Scheduled(seq, n, end == len(seq.token_ids)))
                     left -= n
-        if crossing:
-            alloc = self.allocator
-            if len(crossing) > alloc.num_free_blocks():
-                return None  # someone is preempted: the general step decides whom
-            ids = batch.ids
-            got = alloc.allocate_many([(ids[i], starts[i] + 1) for i in crossing])
-            if got.count(NO_COPIES) != len(crossing):
-                raise RuntimeError("a decode took a copy, or no block with blocks free")
-            for i in crossing:
-                batch.grew(i)
+        if crossing and not self._cross(crossing, starts):
+            return None  # someone is preempted: the general step decides whom
         if self.waiting and len(seqs) < self.max_num_seqs:
             events = events or SchedulerOutput()
             chunks = len(events.scheduled)
@@ -431,6 +415,38 @@ class Scheduler(ABC):
             for row in events.scheduled[chunks:]:
                 batch.admit(row.seq)
         return BatchStep(starts, events)
+
+    def _ready_batch(self) -> RunningBatch | None:
+        """The running batch, its rows read, when a step over it may be taken: every queue
+        but the waiting one empty, the rows in the order the batch keeps; else None."""
+        batch = self.batch
+        if (
+            batch is None
+            or not self.running
+            or self.swapped
+            or self.parked
+            or self.draining
+            or self.restored
+        ):
+            return None
+        if batch.stale and not batch.read(self.running):
+            return None
+        return batch
+
+    def _cross(self, rows: list[int], starts: Sequence[int]) -> bool:
+        """The batch's decode rows ``rows`` write slot ``starts[row]``, past their write
+        limits: one block each, in one call, unless they outnumber the free blocks (False,
+        nothing taken)."""
+        alloc, batch = self.allocator, self.batch
+        if len(rows) > alloc.num_free_blocks():
+            return False
+        ids = batch.ids
+        got = alloc.allocate_many([(ids[i], starts[i] + 1) for i in rows])
+        if got.count(NO_COPIES) != len(rows):
+            raise RuntimeError("a decode took a copy, or no block with blocks free")
+        for i in rows:
+            batch.grew(i)
+        return True
 
     def update_batch(self, step: BatchStep, tokens: list[int], now: float) -> None:
         """``update`` of a ``schedule_batch`` step: its decodes' tokens (the first of
@@ -447,13 +463,76 @@ class Scheduler(ABC):
             sampled = [row.seq for row in events.scheduled if row.samples]
             for seq, stop in progress.append_each(sampled, tokens[n:], now):
                 stops.append((seqs.index(seq, n), stop))
-        stopped = [(seqs[row], stop) for row, stop in stops] if stops else ()
-        if stopped:  # most steps stop nobody: no list made for them
-            batch.drop([row for row, _ in stops])
+        if stops:  # most steps stop nobody
+            self._stop_rows(stops, now)
         if events is not None:
             batch.settle()
+
+    def _stop_rows(self, stops: list[tuple[int, Stop]], now: float) -> None:
+        """The batch's rows that stopped at ``now`` (ascending, each with its stop) finish,
+        their rows dropped."""
+        seqs = self.batch.seqs
+        stopped = [(seqs[row], stop) for row, stop in stops]
+        self.batch.drop([row for row, _ in stops])
         for seq, (reason, why) in stopped:
             self.finish(seq, reason, now, stop_reason=why)
+
+    # -- runs of decode steps (schedulers/decode_run.py) ---------------------------------
+    def begin_run(self) -> DecodeRun | None:
+        """A run of decode steps over the running batch from now, when the steps to come
+        are sure to be such steps until one of its rows stops: every row decodes, none may
+        stop on a token, nobody can be let in (the batch is full, or nobody waits), the
+        budget holds a token a row. Else None: ``schedule_batch`` or ``schedule`` decides."""
+        batch = self._ready_batch()
+        if batch is None:
+            return None
+        seqs, stop_at = batch.seqs, batch.stop_at
+        if batch.decodes != len(seqs) or len(seqs) > self.max_num_batched_tokens:
+            return None
+        if 0 in stop_at or (self.waiting and len(seqs) < self.max_num_seqs):
+            return None
+        starts = [seq.num_computed_tokens for seq in seqs]
+        last = min(map(sub, stop_at, starts)) - 2  # the step whose token reaches a limit
+        return DecodeRun(seqs, starts, batch.limits, last, self.allocator.block_size)
+
+    def run_step(self, run: DecodeRun) -> list[int] | None:
+        """``run``'s next step, as ``schedule_batch`` decides a step of decodes alone: where
+        each row's token goes, the rows crossing their write limit given their blocks. None
+        when the run takes no more steps: it is past its last, or the crossings outnumber
+        the free blocks (``end_run`` ends it)."""
+        if run.steps > run.last:
+            return None
+        starts = run.step_starts()
+        crossing = run.crossing()
+        if crossing:
+            if not self._cross(crossing, starts):
+                return None
+            limits = self.batch.limits
+            for row in crossing:
+                run.cross_at(row, limits[row])
+        return starts
+
+    def run_tokens(self, run: DecodeRun, tokens: Sequence[int], now: float) -> bool:
+        """The tokens of ``run``'s step just taken, one a row, on the host at ``now``: the
+        blocks the step filled are offered to the allocator (``commit``, each of their rows
+        caught up first), as ``update_batch`` offers them. True when the step was the run's
+        last (``end_run`` stops the rows that reached their limit)."""
+        run.took(tokens, now)
+        progress, j = self.progress, run.steps
+        for row in run.filled():  # the step's own token follows the commit, as in decode
+            progress.catch_up(run, row, j - 1, run.starts[row] + j)
+            progress.commit(run.seqs[row])
+        return j > run.last
+
+    def end_run(self, run: DecodeRun) -> None:
+        """``run`` takes no more steps: each row's sequence catches up with it; after its
+        last step, the rows that reached their length limit stop (``update_batch``'s way)."""
+        steps, progress = run.steps, self.progress
+        for row, start in enumerate(run.starts):
+            progress.catch_up(run, row, steps, start + steps)
+        if steps > run.last:
+            stopped = run.stopped(self.batch.stop_at)
+            self._stop_rows([(row, LENGTH) for row in stopped], run.times[-1])
 
     def _stalled_by_parked(self) -> bool:
         """Parked sequences hold blocks while others wait to come in."""

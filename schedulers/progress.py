@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from allocators.base import BlockAllocator
+from schedulers.decode_run import DecodeRun
 from schedulers.kv_groups import DraftKV
 from schedulers.output import INFLIGHT, SchedulerOutput
 from schedulers.request import Request, Status
@@ -28,7 +29,7 @@ from schedulers.stopping import Stopping, stop_length
 
 Stop = tuple[str, object]  # (finish reason, stop reason)
 OWN_TOKENS = "i"  # a running sequence's token_ids: an int32 array (radix keys are its bytes)
-_LENGTH: Stop = ("length", None)
+LENGTH: Stop = ("length", None)  # a stop by the length limit
 
 
 class Progress:
@@ -144,7 +145,7 @@ class Progress:
                 limit = limits[seq] = length_limit(seq, max_seq_len)
             if limit:
                 if len(token_ids) >= limit:
-                    stopped.append((seq, _LENGTH))
+                    stopped.append((seq, LENGTH))
                 continue
             reason, why = check(seq, token, max_seq_len)
             if reason is not None:
@@ -172,13 +173,28 @@ class Progress:
             limit = stop_at[row]
             if limit:
                 if len(token_ids) >= limit:
-                    stopped.append((row, _LENGTH))
+                    stopped.append((row, LENGTH))
             else:
                 reason, why = check(seq, token, max_seq_len)
                 if reason is not None:
                     stopped.append((row, (reason, why)))
             row += 1  # noqa: SIM113 (enumerate's tuples cost ~15 % of this loop)
         return stopped
+
+    def catch_up(self, run: DecodeRun, row: int, steps: int, computed: int) -> None:
+        """Row ``row`` of a decode run (schedulers/decode_run.py): its sequence takes the
+        tokens of the run's first ``steps`` steps it lacks, stamped with their steps' times,
+        and has ``computed`` tokens' KV written."""
+        seq, have = run.seqs[row], run.written[row]
+        seq.num_computed_tokens = computed
+        if steps > have:
+            seq.token_ids.frombytes(run.tokens[have:steps, row].tobytes())
+            seq.token_times.extend(run.times[have:steps])
+            run.written[row] = steps
+
+    def commit(self, seq: Request) -> None:
+        """``seq``'s newly full blocks offered (its tokens hold its computed ones)."""
+        self._commit(seq, seq.token_ids)
 
     def append_pending(self, seq: Request) -> None:
         """A token still on the device (pipelined steps): a placeholder until ``resolve``."""

@@ -152,7 +152,7 @@ def replay(
                 clock.wait_until(next_arrival())
                 continue
             done = 0
-            for out in engine.step(next_arrival()):
+            for out in engine.steps(next_arrival()):
                 if not out.finished:
                     continue
                 done += 1

@@ -61,6 +61,7 @@ def build_engine(
     logprobs_mode: LogprobsMode = "raw_logprobs",
     kv_tier: KVTier | None = None,
     batch_steps: bool = True,
+    decode_runs: bool = True,
 ) -> LLMEngine:
     """Size the arena (from ``num_blocks`` or a byte budget), then build the parts.
 
@@ -92,8 +93,8 @@ def build_engine(
     ``clock``: ``virtual`` or ``wall`` (harness/engine/clock.py), or ``model``: no model
     forward, each step priced by the cost ``profile`` file (harness/engine/modelled.py),
     speculative drafts accepted with probability ``acceptance`` (default: the profile's
-    measured rate). ``seed``, ``record``, ``pipeline``, ``logprobs_mode`` and
-    ``batch_steps`` are ``LLMEngine``'s.
+    measured rate). ``seed``, ``record``, ``pipeline``, ``logprobs_mode``, ``batch_steps``
+    and ``decode_runs`` are ``LLMEngine``'s.
 
     ``kv_tier``: lower tiers under the prefix cache (the ``kv_tier`` group; a radix
     allocator's): the target's allocator is built with them, never the draft's. The real
@@ -235,6 +236,7 @@ def build_engine(
             logprobs_mode=logprobs_mode,
             kv_format=kv_format,
             batch_steps=batch_steps,
+            decode_runs=decode_runs,
         )
     proposer = None
     if isinstance(speculative, NGram):
@@ -256,6 +258,7 @@ def build_engine(
         kv_format=kv_format,
         kv_tier=kv_tier,
         batch_steps=batch_steps,
+        decode_runs=decode_runs,
     )
 
 

@@ -56,6 +56,7 @@ from harness.engine.tier_kv import TierKV
 from harness.engine.window import WindowTables
 from harness.platform.models import LoadedModel
 from schedulers.base import Scheduler, SchedulerOutput
+from schedulers.decode_run import DecodeRun
 from schedulers.output import BatchStep, Scheduled, StepResults
 from schedulers.request import Status
 from schedulers.stats import kv_stats
@@ -87,6 +88,7 @@ class LLMEngine:
         kv_format: KVFormat = UNQUANTIZED,
         kv_tier: KVTier | None = None,
         batch_steps: bool = True,
+        decode_runs: bool = True,
     ) -> None:
         """``logprobs_mode`` (vLLM's, engine-wide as there): what ``SamplingParams.logprobs``
         report, raw (before any processing, the default) or processed (what the token was
@@ -110,7 +112,11 @@ class LLMEngine:
         (``Scheduler.schedule_batch``); off, every step takes the general path, the
         reference a batch step's tables and tokens are checked against. The attribute says
         whether this engine's steps may (the option, and an engine of the kind: see
-        ``_batch_step``)."""
+        ``_batch_step``).
+
+        ``decode_runs``: ``steps`` takes runs of batch steps whose rows all decode
+        (``Scheduler.begin_run``) on a runner that computes no logits (the model clock's),
+        the same steps one at a time; off, ``steps`` is ``step``."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"engine.logprobs_mode={logprobs_mode!r} is invalid: it must be one of "
@@ -184,6 +190,8 @@ class LLMEngine:
         self.batch_steps = batch_steps and not (
             scheduler.batch is None or proposer is not None or pipeline or window is not None
         )
+        # A run's steps need no token on the host until it ends: a runner that feeds none.
+        self.decode_runs = decode_runs and self.batch_steps and not runner.computes_logits
         # The class's function: a bound method kept by its engine is a cycle (freed by GC).
         self._step_fn = LLMEngine._pipelined_step if pipeline else LLMEngine._plain_step
 
@@ -318,6 +326,53 @@ class LLMEngine:
             self._wait_for_batch(plan, next_arrival)
             # One output per request: its completions progress together (n > 1).
             return list({out.request_id: out for out in outputs}.values())
+
+    def steps(self, next_arrival: float | None = None) -> list[RequestOutput]:
+        """``step``, or as many steps as a run of decode steps takes (``decode_runs``,
+        schedulers/decode_run.py): the same steps ``step`` would take one at a time, none
+        started at or after ``next_arrival`` (the driver adds that request first, as it does
+        between steps). Returns what progressed, one output per request."""
+        with self.lock:
+            requests = self.requests
+            if self.decode_runs and not (requests.groups or requests.beams or requests.owed):
+                run = self.scheduler.begin_run()
+                if run is not None and (outputs := self._run(run, next_arrival)) is not None:
+                    return outputs
+            return self.step(next_arrival)
+
+    def _run(self, run: DecodeRun, next_arrival: float | None) -> list[RequestOutput] | None:
+        """The steps of ``run``, each as ``_batch_step`` takes a step of decodes alone on a
+        runner that computes no logits: its shape priced, its memory snapshot, its tokens
+        handed to the scheduler (``run_tokens``), its row recorded. None if it took none
+        (its first step's crossings outnumber the free blocks: ``step`` decides)."""
+        scheduler, clock, recorder = self.scheduler, self.clock, self.recorder
+        batch, ones = scheduler.batch, [1] * len(run.starts)
+        waiting = len(scheduler.waiting)  # nobody is let in or added during a run
+        last = False
+        while not last:
+            start, now = time.perf_counter(), clock.now()
+            if run.steps and next_arrival is not None and now >= next_arrival:
+                break
+            starts = scheduler.run_step(run)
+            if starts is None:
+                break
+            state = StepState(start)
+            forward = self.runner.forward(StepShape(ones, starts, ones, {}))
+            work = step_work(_NO_EVENTS, forward.work, False)
+            clock.charge(work)
+            snapshot = None
+            if recorder.enabled:
+                step = BatchStep(starts, None)
+                snapshot = recorder.snapshot_batch(self.allocator.stats(), batch, step, waiting)
+            done = clock.after(time.perf_counter() - start)
+            last = scheduler.run_tokens(run, forward.tokens, done)
+            if last:  # its rows that stop finish before its row, as in a single step
+                scheduler.end_run(run)
+                self._settle()
+            self._record(_NO_EVENTS, snapshot, now, _NOT_MOVED, forward, work, state)
+        if not last:
+            scheduler.end_run(run)
+        return self._report(run.seqs) if run.steps else None
 
     def _batch_step(self, step: BatchStep, start: float, now: float) -> list[RequestOutput]:
         """A step the scheduler decided over its running batch (``schedule_batch``): its

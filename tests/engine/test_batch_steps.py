@@ -34,31 +34,43 @@ PROFILE = str(ROOT / "results/baselines/profile-llama-tiny.json")
 
 class Replayed(NamedTuple):
     engine: LLMEngine
-    decided: int  # steps the batch decided
+    decided: int  # steps the batch decided (``runs``: the steps runs took)
     returned: list[tuple]  # per output a step returned: step, request, finished, tokens, time
     computed: list[str]  # the real runner's launch and wait calls, in order
 
 
 def replay(
-    model, allocator, scheduler, requests, *, batch_steps, num_blocks=64, abort=None, real=False
+    model,
+    allocator,
+    scheduler,
+    requests,
+    *,
+    batch_steps,
+    num_blocks=64,
+    abort=None,
+    real=False,
+    runs=None,
 ):
     """Replay ``requests`` (id, prompt, params, arrival) on the model clock (``real``: the
     model's forward on a virtual clock, its times left out of what is returned); the engine
-    and how many of its steps the batch decided. ``abort``: (step, request id) aborted then."""
+    and how many of its steps the batch decided. ``abort``: (step, request id) aborted then.
+    ``runs`` (True or False): drive ``LLMEngine.steps`` with decode runs on or off, count the
+    steps runs take, and return the finished outputs alone, without the call's index (a
+    run's call takes many steps)."""
     clock = {"clock": "virtual"} if real else {"clock": "model", "profile": PROFILE}
-    engine = build_engine(
-        model, allocator, scheduler, num_blocks=num_blocks, batch_steps=batch_steps, **clock
-    )
+    engine = build_engine(model, allocator, scheduler, num_blocks=num_blocks,
+                          batch_steps=batch_steps, decode_runs=bool(runs), **clock)  # fmt: skip
     scheduler = engine.scheduler
     decided = []
-    schedule_batch = scheduler.schedule_batch
+    name = "run_step" if runs is not None else "schedule_batch"
+    decide = getattr(scheduler, name)
 
-    def counted(now):
-        step = schedule_batch(now)
+    def counted(arg):
+        step = decide(arg)
         decided.append(step is not None)
         return step
 
-    scheduler.schedule_batch = counted
+    setattr(scheduler, name, counted)
     computed = []  # a model clock's are no-ops, which a batch step skips
     for name in ("launch", "wait") if real else ():
         call = getattr(engine.runner, name)
@@ -80,11 +92,15 @@ def replay(
             continue
         if abort is not None and steps == abort[0]:
             engine.abort_request(abort[1])
-        for out in engine.step(pending[0][3] if pending else None):
+        step = engine.step if runs is None else engine.steps
+        for out in step(pending[0][3] if pending else None):
+            if runs is not None and not out.finished:
+                continue
             tokens = [tuple(c.token_ids) for c in out.outputs]
             when = None if real else out.finished_time
             got = [(c.finish_reason, c.stop_reason, repr(c.logprobs)) for c in out.outputs]
-            returned.append((steps, out.request_id, out.finished, tokens, got, when))
+            index = steps if runs is None else None
+            returned.append((index, out.request_id, out.finished, tokens, got, when))
             returned.append(repr(out.prompt_logprobs))
         steps += 1
     return Replayed(engine, sum(decided), returned, computed)
@@ -171,6 +187,24 @@ def test_batch_steps_give_the_general_steps_tables(model, case, seed):
     if "small" in case:
         assert steps["preempted"].sum() > 0
     batched.engine.allocator.check()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_runs_give_single_steps_tables(model, case, seed):
+    """``LLMEngine.steps`` with decode runs takes the steps single batch steps take: the same
+    step and request columns and finished outputs; runs take a good part of the steps."""
+    allocator, scheduler, extra, num_blocks = CASES[case]
+    reqs = requests(40, seed, **extra)
+    single = replay(model, allocator, scheduler, reqs, batch_steps=True, runs=False,
+                    num_blocks=num_blocks)  # fmt: skip
+    runs = replay(model, allocator, scheduler, reqs, batch_steps=True, runs=True,
+                  num_blocks=num_blocks)  # fmt: skip
+    assert single.decided == 0
+    num_steps = len(runs.engine.recorder.step_columns()["step"])
+    assert runs.decided > num_steps // 3, f"runs took {runs.decided} of {num_steps} steps"
+    assert_same_tables(runs, single)
+    runs.engine.allocator.check()
 
 
 def test_stops_on_a_token_forks_and_an_abort_give_the_general_steps_tables(model):

@@ -518,19 +518,19 @@ class Scheduler(ABC):
         caught up first), as ``update_batch`` offers them. True when the step was the run's
         last (``end_run`` stops the rows that reached their limit)."""
         run.took(tokens, now)
-        progress, j = self.progress, run.steps
-        for row in run.filled():  # the step's own token follows the commit, as in decode
-            progress.catch_up(run, row, j - 1, run.starts[row] + j)
-            progress.commit(run.seqs[row])
-        return j > run.last
+        filled = run.filled()
+        if filled:  # the step's own token follows the commit, as in decode
+            progress = self.progress
+            progress.catch_up(run, filled, run.steps - 1)
+            for row in filled:
+                progress.commit(run.seqs[row])
+        return run.steps > run.last
 
     def end_run(self, run: DecodeRun) -> None:
         """``run`` takes no more steps: each row's sequence catches up with it; after its
         last step, the rows that reached their length limit stop (``update_batch``'s way)."""
-        steps, progress = run.steps, self.progress
-        for row, start in enumerate(run.starts):
-            progress.catch_up(run, row, steps, start + steps)
-        if steps > run.last:
+        self.progress.catch_up(run, range(len(run.starts)), run.steps)
+        if run.steps > run.last:
             stopped = run.stopped(self.batch.stop_at)
             self._stop_rows([(row, LENGTH) for row in stopped], run.times[-1])
 

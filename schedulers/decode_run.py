@@ -22,6 +22,7 @@ of ``tokens``) and when they exist (``times``). The scheduler side is their one 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,23 +51,29 @@ class DecodeRun:
         self.last = last
         self.block_size = block_size
         self.steps = 0  # steps taken
-        self.tokens = np.empty((min(last + 1, _FIRST_STEPS), len(starts)), dtype=np.int32)
-        self.times: list[float] = []
+        # A row's tokens, a step a column (a row's run of them is contiguous).
+        self.tokens = np.empty((len(starts), min(last + 1, _FIRST_STEPS)), dtype=np.int32)
+        self.times = array("d")
         self.written = [0] * len(starts)
         self._crossings: dict[int, list[int]] = {}  # step -> rows that take a block then
         self._fills: dict[int, list[int]] = {}  # step -> rows whose block it fills
+        crossings, fills = self._crossings, self._fills
         for row, (start, limit) in enumerate(zip(starts, limits, strict=True)):
-            self.cross_at(row, limit)
-            self._add(self._fills, -(start + 1) % block_size, row)
+            at = limit - start if limit > start else 0
+            if at <= last:
+                crossings.setdefault(at, []).append(row)
+            at = -(start + 1) % block_size
+            if at <= last:
+                fills.setdefault(at, []).append(row)
 
     def took(self, tokens: Sequence[int], now: float) -> None:
         """The next step is taken: its ``tokens`` (one a row), existing at ``now``."""
         j = self.steps
-        if j == len(self.tokens):  # room for twice the steps, up to the last
-            more = np.empty((min(2 * j, self.last + 1), len(self.starts)), dtype=np.int32)
-            more[:j] = self.tokens
+        if j == self.tokens.shape[1]:  # room for twice the steps, up to the last
+            more = np.empty((len(self.starts), min(2 * j, self.last + 1)), dtype=np.int32)
+            more[:, :j] = self.tokens
             self.tokens = more
-        self.tokens[j] = tokens
+        self.tokens[:, j] = tokens
         self.times.append(now)
         self.steps = j + 1
 

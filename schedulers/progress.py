@@ -16,7 +16,7 @@ blocks go (``hand_over``), so the engine can save it before the next step writes
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -181,16 +181,19 @@ class Progress:
             row += 1  # noqa: SIM113 (enumerate's tuples cost ~15 % of this loop)
         return stopped
 
-    def catch_up(self, run: DecodeRun, row: int, steps: int, computed: int) -> None:
-        """Row ``row`` of a decode run (schedulers/decode_run.py): its sequence takes the
-        tokens of the run's first ``steps`` steps it lacks, stamped with their steps' times,
-        and has ``computed`` tokens' KV written."""
-        seq, have = run.seqs[row], run.written[row]
-        seq.num_computed_tokens = computed
-        if steps > have:
-            seq.token_ids.frombytes(run.tokens[have:steps, row].tobytes())
-            seq.token_times.extend(run.times[have:steps])
-            run.written[row] = steps
+    def catch_up(self, run: DecodeRun, rows: Iterable[int], steps: int) -> None:
+        """Rows ``rows`` of a decode run (schedulers/decode_run.py): each one's sequence has
+        its KV written through the run's steps taken, and takes the tokens of its first
+        ``steps`` steps it lacks, stamped with their steps' times."""
+        seqs, starts, written, taken = run.seqs, run.starts, run.written, run.steps
+        tokens, times = run.tokens, run.times
+        for row in rows:
+            seq, have = seqs[row], written[row]
+            seq.num_computed_tokens = starts[row] + taken
+            if steps > have:
+                seq.token_ids.frombytes(tokens[row, have:steps].tobytes())
+                seq.token_times.extend(times[have:steps])
+                written[row] = steps
 
     def commit(self, seq: Request) -> None:
         """``seq``'s newly full blocks offered (its tokens hold its computed ones)."""

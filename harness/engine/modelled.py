@@ -20,7 +20,7 @@ bonus token, as Leviathan et al.'s rule does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import add
+from operator import add, sub
 
 import mlx.core as mx
 import numpy as np
@@ -32,7 +32,7 @@ from harness.costmodel.work import TIERS, StepWork
 from harness.engine.clock import VirtualClock
 from harness.engine.model_runner import Forward
 from harness.engine.speculative import Proposal, RowFor
-from harness.engine.step_shape import StepShape, count_work
+from harness.engine.step_shape import StepShape, count_work, decodes_join
 from harness.platform.models import LoadedModel
 from schedulers.output import Scheduled, SchedulerOutput
 
@@ -188,6 +188,9 @@ class ModelledRunner:
         self._rng = np.random.default_rng([seed, 0x5EED])
         self.verifies = verifies
         self._ahead = np.empty(0, dtype=np.int64)  # tokens drawn, not yet handed out
+        # The contexts of the last step whose rows, a token each, all joined one group:
+        # the next step's join too if each is one further (its gaps are the same).
+        self._joined: list[int] | None = None
 
     def forward(self, shape: StepShape, carried=None) -> Forward:
         """The step's work and tokens from its shape alone (the engine builds no ``Row``)."""
@@ -195,7 +198,13 @@ class ModelledRunner:
         contexts = list(map(add, shape.starts, queries))
         logit_rows = sum(shape.num_logits)
         key_cost, window = self.key_cost, self.window
-        work = count_work(queries, contexts, logit_rows, key_cost, self.block_size, window)
+        last, joined = self._joined, None
+        if last is not None and len(last) == len(contexts) and queries.count(1) == len(queries):
+            joined = list(map(sub, contexts, last)) == queries or None
+        if joined is None:
+            joined = decodes_join(queries, contexts, key_cost)
+        self._joined = contexts if joined and queries[0] == 1 else None
+        work = count_work(queries, contexts, logit_rows, key_cost, self.block_size, window, joined)
         return Forward(None, 0.0, 0.0, work, tokens=self._tokens(shape, logit_rows))
 
     def _tokens(self, shape: StepShape, logit_rows: int) -> np.ndarray:

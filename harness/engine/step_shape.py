@@ -170,18 +170,27 @@ def count_work(
     key_cost: float,
     block_size: int,
     window: int | None = None,
+    joined: bool | None = None,
 ) -> StepWork:
     """``forward_work`` of the rows as ``group_rows`` groups them, for a runner that counts
     and runs nothing (the model clock): which rows a group holds does not change the counts,
     so rows of one length that all join one group (a decode step's, most often) are found
-    so from their contexts sorted, without ordering the rows themselves."""
+    so from their contexts sorted, without ordering the rows themselves. ``joined``: whether
+    they are rows of one length that ``decodes_join`` says all join, if the caller knows."""
+    n = len(queries)
+    if joined is None:
+        joined = decodes_join(queries, contexts, key_cost)
+    groups = (range(n),) if joined else group_rows(queries, contexts, key_cost)
+    return forward_work(queries, contexts, logit_rows, groups, block_size, window)
+
+
+def decodes_join(queries: list[int], contexts: list[int], key_cost: float) -> bool:
+    """The rows are of one length and ``_one_group`` says they all join one group (a decode
+    step's, most often). It says so from the contexts' gaps alone: rows of one token each
+    whose contexts are all one further than at a step where they joined join again."""
     n = len(queries)
     one_length = n and n < _VECTOR_MIN and min(queries) == max(queries)
-    if one_length and _one_group(queries[0], sorted(contexts), key_cost):
-        groups: Sequence[Sequence[int]] = (range(n),)
-    else:
-        groups = group_rows(queries, contexts, key_cost)
-    return forward_work(queries, contexts, logit_rows, groups, block_size, window)
+    return bool(one_length and _one_group(queries[0], sorted(contexts), key_cost))
 
 
 def forward_work(

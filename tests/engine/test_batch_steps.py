@@ -296,7 +296,8 @@ def test_a_prompt_done_joins_the_decodes_unless_one_admitted_earlier_is_not():
 def test_random_configurations_give_the_general_steps_tables(model, seed):
     """A configuration drawn from ``seed``: allocator, policy (chunk and budget), arena,
     batch, watermark, shared prefix, output lengths, a few requests that may stop on a token
-    or ask for two completions; batch steps on and off give the same columns and outputs."""
+    or ask for two completions; batch steps on and off give the same columns and outputs,
+    and so do runs of decode steps (the finished outputs)."""
     rng = np.random.default_rng(100 + seed)
     allocator = [FreeListAllocator, RadixAllocator][seed % 2]
     max_num_seqs = int(rng.integers(1, 12))
@@ -325,6 +326,19 @@ def test_random_configurations_give_the_general_steps_tables(model, seed):
     assert batched.decided > 0
     assert_same_tables(batched, general)
     batched.engine.allocator.check()
+    ran = replay(model, allocator, scheduler, reqs, batch_steps=True, runs=True,
+                 num_blocks=num_blocks)  # fmt: skip
+    assert ran.decided > 0  # runs take 65 % of these configurations' steps
+    assert_same_tables(ran, finished_only(general))
+    ran.engine.allocator.check()
+
+
+def finished_only(replayed: Replayed) -> Replayed:
+    """``replayed`` with the outputs ``replay(..., runs=...)`` returns: the finished ones,
+    without the step's index."""
+    pairs = zip(replayed.returned[::2], replayed.returned[1::2], strict=True)
+    kept = [[(None, *out[1:]), logprobs] for out, logprobs in pairs if out[2]]
+    return replayed._replace(returned=[x for pair in kept for x in pair])
 
 
 REAL_CASES = {

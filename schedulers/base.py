@@ -38,7 +38,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain, compress, repeat
-from operator import attrgetter, ge, sub
+from operator import attrgetter, ge
 
 from allocators.base import NO_COPIES, Allocation, BlockAllocator, blocks_for
 from schedulers.admission import fits, never_fits, take_blocks, write_back
@@ -492,16 +492,13 @@ class Scheduler(ABC):
         if 0 in stop_at or (self.waiting and len(seqs) < self.max_num_seqs):
             return None
         starts = [seq.num_computed_tokens for seq in seqs]
-        last = min(map(sub, stop_at, starts)) - 2  # the step whose token reaches a limit
-        return DecodeRun(seqs, starts, batch.limits, last, self.allocator.block_size)
+        return DecodeRun(seqs, starts, batch.limits, stop_at, self.allocator.block_size)
 
     def run_step(self, run: DecodeRun) -> list[int] | None:
-        """``run``'s next step, as ``schedule_batch`` decides a step of decodes alone: where
-        each row's token goes, the rows crossing their write limit given their blocks. None
-        when the run takes no more steps: it is past its last, or the crossings outnumber
-        the free blocks (``end_run`` ends it)."""
-        if run.steps > run.last:
-            return None
+        """``run``'s next step (at most its last), as ``schedule_batch`` decides a step of
+        decodes alone: where each row's token goes, the rows crossing their write limit
+        given their blocks. None, nothing taken, when the crossings outnumber the free
+        blocks: the run ends there (``end_run``) and the general step decides the next."""
         starts = run.step_starts()
         crossing = run.crossing()
         if crossing:
@@ -514,16 +511,13 @@ class Scheduler(ABC):
 
     def run_tokens(self, run: DecodeRun, tokens: Sequence[int], now: float) -> bool:
         """The tokens of ``run``'s step just taken, one a row, on the host at ``now``: the
-        blocks the step filled are offered to the allocator (``commit``, each of their rows
-        caught up first), as ``update_batch`` offers them. True when the step was the run's
-        last (``end_run`` stops the rows that reached their limit)."""
+        blocks the step filled are offered to the allocator (``Progress.commit_filled``), as
+        ``update_batch`` offers them. True when the step was the run's last (``end_run``
+        stops the rows that reached their limit)."""
         run.took(tokens, now)
         filled = run.filled()
-        if filled:  # the step's own token follows the commit, as in decode
-            progress = self.progress
-            progress.catch_up(run, filled, run.steps - 1)
-            for row in filled:
-                progress.commit(run.seqs[row])
+        if filled:
+            self.progress.commit_filled(run, filled)
         return run.steps > run.last
 
     def end_run(self, run: DecodeRun) -> None:
@@ -531,8 +525,7 @@ class Scheduler(ABC):
         last step, the rows that reached their length limit stop (``update_batch``'s way)."""
         self.progress.catch_up(run, range(len(run.starts)), run.steps)
         if run.steps > run.last:
-            stopped = run.stopped(self.batch.stop_at)
-            self._stop_rows([(row, LENGTH) for row in stopped], run.times[-1])
+            self._stop_rows([(row, LENGTH) for row in run.stopped()], run.times[-1])
 
     def _stalled_by_parked(self) -> bool:
         """Parked sequences hold blocks while others wait to come in."""

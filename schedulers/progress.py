@@ -185,19 +185,22 @@ class Progress:
         """Rows ``rows`` of a decode run (schedulers/decode_run.py): each one's sequence has
         its KV written through the run's steps taken, and takes the tokens of its first
         ``steps`` steps it lacks, stamped with their steps' times."""
-        seqs, starts, written, taken = run.seqs, run.starts, run.written, run.steps
-        tokens, times = run.tokens, run.times
+        seqs, starts, taken, take = run.seqs, run.starts, run.steps, run.take
         for row in rows:
-            seq, have = seqs[row], written[row]
+            seq = seqs[row]
             seq.num_computed_tokens = starts[row] + taken
-            if steps > have:
-                seq.token_ids.frombytes(tokens[row, have:steps].tobytes())
-                seq.token_times.extend(times[have:steps])
-                written[row] = steps
+            tokens, times = take(row, steps)
+            seq.token_ids.frombytes(tokens)
+            seq.token_times.extend(times)
 
-    def commit(self, seq: Request) -> None:
-        """``seq``'s newly full blocks offered (its tokens hold its computed ones)."""
-        self._commit(seq, seq.token_ids)
+    def commit_filled(self, run: DecodeRun, rows: list[int]) -> None:
+        """Rows ``rows`` of a decode run filled a block in its step just taken: each catches
+        up (its tokens before that step's) and offers its full blocks (``commit``), before
+        that step's token is appended, as ``decode`` does."""
+        self.catch_up(run, rows, run.steps - 1)
+        for row in rows:
+            seq = run.seqs[row]
+            self._commit(seq, seq.token_ids)
 
     def append_pending(self, seq: Request) -> None:
         """A token still on the device (pipelined steps): a placeholder until ``resolve``."""

@@ -314,8 +314,7 @@ class LLMEngine:
         """
         with self.lock:
             start, now = time.perf_counter(), self.clock.now()
-            requests = self.requests
-            if self.batch_steps and not (requests.groups or requests.beams or requests.owed):
+            if self.batch_steps and self._alone():
                 batch_step = self.scheduler.schedule_batch(now)
                 if batch_step is not None:
                     return self._batch_step(batch_step, start, now)
@@ -329,12 +328,14 @@ class LLMEngine:
 
     def steps(self, next_arrival: float | None = None) -> list[RequestOutput]:
         """``step``, or as many steps as a run of decode steps takes (``decode_runs``,
-        schedulers/decode_run.py): the same steps ``step`` would take one at a time, none
-        started at or after ``next_arrival`` (the driver adds that request first, as it does
-        between steps). Returns what progressed, one output per request."""
+        schedulers/decode_run.py): the same steps ``step`` would take one at a time. The
+        first is taken as ``step`` would be (the driver has added what arrived by now);
+        after it, none that would start at or after ``next_arrival`` (the driver adds that
+        request first, as between steps). Returns what progressed, one output per request:
+        a streaming request's, one for the whole run. The engine's lock is held throughout
+        (an abort from another thread waits for the run's end)."""
         with self.lock:
-            requests = self.requests
-            if self.decode_runs and not (requests.groups or requests.beams or requests.owed):
+            if self.decode_runs and self._alone():
                 run = self.scheduler.begin_run()
                 if run is not None and (outputs := self._run(run, next_arrival)) is not None:
                     return outputs
@@ -342,11 +343,12 @@ class LLMEngine:
 
     def _run(self, run: DecodeRun, next_arrival: float | None) -> list[RequestOutput] | None:
         """The steps of ``run``, each as ``_batch_step`` takes a step of decodes alone on a
-        runner that computes no logits: its shape priced, its memory snapshot, its tokens
+        runner that computes no logits (the runner's ``decode_run`` gives each step's
+        forward from the run's starts): its work priced, its memory snapshot, its tokens
         handed to the scheduler (``run_tokens``), its row recorded. None if it took none
         (its first step's crossings outnumber the free blocks: ``step`` decides)."""
         scheduler, clock, recorder = self.scheduler, self.clock, self.recorder
-        batch, ones = scheduler.batch, [1] * len(run.starts)
+        batch, forwards = scheduler.batch, self.runner.decode_run(run.starts)
         waiting = len(scheduler.waiting)  # nobody is let in or added during a run
         last = False
         while not last:
@@ -357,8 +359,8 @@ class LLMEngine:
             if starts is None:
                 break
             state = StepState(start)
-            forward = self.runner.forward(StepShape(ones, starts, ones, {}))
-            work = step_work(_NO_EVENTS, forward.work, False)
+            forward = forwards.forward(run.steps)
+            work = forward.work  # nothing moves in a run (``step_work`` adds moves)
             clock.charge(work)
             snapshot = None
             if recorder.enabled:
@@ -373,6 +375,12 @@ class LLMEngine:
         if not last:
             scheduler.end_run(run)
         return self._report(run.seqs) if run.steps else None
+
+    def _alone(self) -> bool:
+        """Every request is a sequence alone (n = 1, no beam search) and nothing is owed (an
+        abort's output): a step the batch, or a run of its steps, may take."""
+        requests = self.requests
+        return not (requests.groups or requests.beams or requests.owed)
 
     def _batch_step(self, step: BatchStep, start: float, now: float) -> list[RequestOutput]:
         """A step the scheduler decided over its running batch (``schedule_batch``): its

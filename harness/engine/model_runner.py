@@ -79,7 +79,10 @@ class Runner(Protocol):
     that ``computes_logits`` is handed the step's ``Row``s (tokens, block tables, rings) and
     returns ``Forward.logits``, one row per logit each ``Row`` asks for; one that does not
     is handed only the step's shape as lists (``StepShape``: no token list sliced, no block
-    table read) and returns the tokens it chose as ``Forward.tokens``."""
+    table read) and returns the tokens it chose as ``Forward.tokens``; it is also asked for a
+    run of decode steps' forwards (``decode_run(starts)``, an object whose ``forward(step)``
+    gives each: harness/engine/modelled.py's ``RunForwards``), which ``ModelRunner``, whose
+    every step needs the last token on the host, is never asked for."""
 
     computes_logits: bool
 

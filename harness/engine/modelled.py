@@ -32,7 +32,7 @@ from harness.costmodel.work import TIERS, StepWork
 from harness.engine.clock import VirtualClock
 from harness.engine.model_runner import Forward
 from harness.engine.speculative import Proposal, RowFor
-from harness.engine.step_shape import StepShape, count_work, decodes_join
+from harness.engine.step_shape import StepShape, count_work, decodes_join, decodes_work
 from harness.platform.models import LoadedModel
 from schedulers.output import Scheduled, SchedulerOutput
 
@@ -188,8 +188,9 @@ class ModelledRunner:
         self._rng = np.random.default_rng([seed, 0x5EED])
         self.verifies = verifies
         self._ahead = np.empty(0, dtype=np.int64)  # tokens drawn, not yet handed out
-        # The contexts of the last step whose rows, a token each, all joined one group:
-        # the next step's join too if each is one further (its gaps are the same).
+        # The contexts of the last step whose rows, a token each, all joined one group: the
+        # next step's join too if each is one further (``decodes_join`` reads only the sorted
+        # contexts' gaps, which are the same), found without sorting them.
         self._joined: list[int] | None = None
 
     def forward(self, shape: StepShape, carried=None) -> Forward:
@@ -207,6 +208,19 @@ class ModelledRunner:
         work = count_work(queries, contexts, logit_rows, key_cost, self.block_size, window, joined)
         return Forward(None, 0.0, 0.0, work, tokens=self._tokens(shape, logit_rows))
 
+    def decode_run(self, starts: list[int]) -> RunForwards:
+        """The forwards of a run of decode steps whose rows start at ``starts``
+        (schedulers/decode_run.py): ``RunForwards``."""
+        return RunForwards(self, starts)
+
+    def draw(self, count: int) -> np.ndarray:
+        """``count`` tokens of a step that verifies nothing, from those drawn ahead."""
+        if len(self._ahead) < count:
+            more = self._rng.integers(0, self.vocab_size, max(count, _DRAW_AHEAD))
+            self._ahead = np.concatenate([self._ahead, more])
+        drawn, self._ahead = self._ahead[:count], self._ahead[count:]
+        return drawn
+
     def _tokens(self, shape: StepShape, logit_rows: int) -> np.ndarray:
         """One token per logits row (``logit_rows`` in all), in row order; a verification's
         rows first take its drafts while the Bernoulli draws accept them (a draw of ``k`` for
@@ -214,11 +228,7 @@ class ModelledRunner:
         if not self.verifies:
             if shape.drafts:
                 raise RuntimeError("a step verifies drafts on a runner built with verifies=False")
-            if len(self._ahead) < logit_rows:
-                more = self._rng.integers(0, self.vocab_size, max(logit_rows, _DRAW_AHEAD))
-                self._ahead = np.concatenate([self._ahead, more])
-            drawn, self._ahead = self._ahead[:logit_rows], self._ahead[logit_rows:]
-            return drawn
+            return self.draw(logit_rows)
         drawn = self._rng.integers(0, self.vocab_size, logit_rows)
         if not shape.drafts:  # no verification: nothing to accept
             return drawn
@@ -247,6 +257,33 @@ class ModelledRunner:
 
     def swap_in(self, host, blocks: Sequence[int], first: int = 0) -> None:
         pass
+
+
+class RunForwards:
+    """The forwards of a run of decode steps (schedulers/decode_run.py): every step, each
+    row one token further. When the rows join one group at the first step (``decodes_join``;
+    then at every step: their contexts' gaps stay the same) on a model without window
+    layers, a step's work is that group's counts (``decodes_work``) from the longest context
+    and the contexts' sum, one further a row each step; otherwise each step is ``forward`` of
+    its shape."""
+
+    def __init__(self, runner: ModelledRunner, starts: list[int]) -> None:
+        self.runner = runner
+        self.starts = starts
+        n = len(starts)
+        self._ones = [1] * n
+        contexts = [start + 1 for start in starts]
+        self.joined = runner.window is None and decodes_join(self._ones, contexts, runner.key_cost)
+        self._longest, self._total = max(contexts), sum(contexts)
+
+    def forward(self, step: int) -> Forward:
+        """Step ``step``'s (from 0): its work and its tokens, one a row."""
+        runner, n = self.runner, len(self._ones)
+        if not self.joined:
+            starts = [start + step for start in self.starts]
+            return runner.forward(StepShape(self._ones, starts, self._ones, {}))
+        work = decodes_work(n, self._longest + step, self._total + n * step, runner.block_size)
+        return Forward(None, 0.0, 0.0, work, tokens=runner.draw(n))
 
 
 class ModelledProposer:

@@ -186,11 +186,27 @@ def count_work(
 
 def decodes_join(queries: list[int], contexts: list[int], key_cost: float) -> bool:
     """The rows are of one length and ``_one_group`` says they all join one group (a decode
-    step's, most often). It says so from the contexts' gaps alone: rows of one token each
-    whose contexts are all one further than at a step where they joined join again."""
+    step's, most often), from their contexts sorted."""
     n = len(queries)
     one_length = n and n < _VECTOR_MIN and min(queries) == max(queries)
     return bool(one_length and _one_group(queries[0], sorted(contexts), key_cost))
+
+
+def decodes_work(n: int, max_context: int, sum_contexts: int, block_size: int) -> StepWork:
+    """``forward_work`` of ``n`` single-token rows that form one group (a decode step whose
+    rows all join, ``decodes_join``) of a model without window layers, from the rows'
+    longest context and their contexts' sum alone: the same counts, no list of contexts."""
+    read = n * (-(-max_context // block_size) * block_size)
+    return StepWork(
+        batch_size=n,
+        row_groups=1,
+        query_tokens_padded=n,
+        kv_slots_read=read,
+        kv_slots_attended=sum_contexts,
+        attention_pairs=read,
+        logit_rows=n,
+        single_token_rows=n,
+    )
 
 
 def forward_work(

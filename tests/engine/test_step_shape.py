@@ -12,6 +12,7 @@ from harness.engine.step_shape import (
     GROUP_COST,
     StepShape,
     count_work,
+    decodes_work,
     forward_work,
     group_rows,
 )
@@ -144,6 +145,36 @@ def test_the_counts_alone_are_those_of_the_groups_rows():
         groups = group_rows(queries, contexts, key)
         expected = forward_work(queries, contexts, n, groups, 16, window)
         assert count_work(queries, contexts, n, key, 16, window) == expected, case
+
+
+def test_one_group_of_decodes_is_counted_from_its_longest_context_and_its_sum():
+    """``decodes_work``: two single-token rows of contexts 5 and 17 in one group, block 4,
+    read 20 slots each (17 rounded up to blocks): 40 keys read and 40 pairs, 22 attended;
+    and for random groups, ``forward_work``'s counts."""
+    got = decodes_work(2, 17, 22, 4)
+    assert (got.batch_size, got.row_groups, got.query_tokens_padded) == (2, 1, 2)
+    assert (got.kv_slots_read, got.attention_pairs, got.kv_slots_attended) == (40, 40, 22)
+    assert (got.logit_rows, got.single_token_rows, got.window_kv_slots_read) == (2, 2, 0)
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 7, 32, 95):
+        contexts = rng.integers(1, 5_000, n).tolist()
+        expected = forward_work([1] * n, contexts, n, (range(n),), 16)
+        assert decodes_work(n, max(contexts), sum(contexts), 16) == expected, n
+
+
+def test_a_runs_forwards_are_its_steps_shapes_forwards():
+    """``ModelledRunner.decode_run``: each step of a run of decodes (every row one token
+    further a step) has the work and tokens ``forward`` gives its shape, whether its rows
+    join one group (contexts close together) or not (far apart, a tiny key cost's split)."""
+    for starts in ([10, 12, 15, 11], [3, 900, 40, 20_000]):
+        run, steps = runner().decode_run(starts), runner()
+        assert run.joined == (starts[1] == 12)
+        ones = [1] * len(starts)
+        for step in range(40):
+            alone = steps.forward(shape(ones, [s + step for s in starts], ones))
+            got = run.forward(step)
+            assert got.work == alone.work, (starts, step)
+            np.testing.assert_array_equal(got.tokens, alone.tokens)
 
 
 def test_decode_rows_on_the_edge_of_joining_group_as_the_rule_says():

@@ -59,17 +59,21 @@ def group_rows(queries: Sequence[int], contexts: Sequence[int], key_cost: float)
 
     The rows of the shortest length come first (a decode step's every row): when there are
     ``_VECTOR_MIN`` or more, their groups are found by numpy (``_equal_queries``), the same
-    float expressions as the loop's (``_greedy``), which takes the rest.
+    float expressions as the loop's (``_greedy``), which takes the rest; fewer that all join
+    one group (``_one_group``) are made one at once (``_greedy_after_shortest``).
     """
     n = len(queries)
+    if not n:
+        return []
     if n < _VECTOR_MIN:
-        if n and min(queries) == max(queries):  # one length (decodes): by context alone
+        if min(queries) == max(queries):  # one length (decodes): by context alone
             order = sorted(range(n), key=contexts.__getitem__)  # stable: ties by index
             ascending = list(map(contexts.__getitem__, order))
             if _one_group(queries[0], ascending, key_cost):
                 return [order]
             return _greedy(zip(repeat(queries[0]), ascending, order), key_cost)
-        return _greedy(sorted(zip(queries, contexts, range(n), strict=True)), key_cost)
+        rows = sorted(zip(queries, contexts, range(n), strict=True))
+        return _greedy_after_shortest(rows, key_cost)
     q = np.asarray(queries, dtype=np.int64)
     c = np.asarray(contexts, dtype=np.int64)
     order = np.lexsort((c, q))  # by length, then context, then index (a stable sort)
@@ -85,6 +89,23 @@ def group_rows(queries: Sequence[int], contexts: Sequence[int], key_cost: float)
     here = GROUP_COST + len(groups[-1]) * first * (1.0 + last * key_cost)
     rest = zip(q[at:].tolist(), c[at:].tolist(), order[at:].tolist(), strict=True)
     return _greedy(rest, key_cost, groups, last, here)
+
+
+def _greedy_after_shortest(rows: list[tuple[int, int, int]], key_cost: float) -> list[list[int]]:
+    """``_greedy`` over ``rows`` (length, context, index), sorted, of a step with rows of
+    several lengths (an admission's prompt or a chunk among decodes): when the rows of the
+    shortest length, first, all join one group (``_one_group``), that group is made at once
+    and the loop goes on from it, as ``group_rows`` does past numpy's groups."""
+    first = rows[0][0]
+    run = 1
+    while rows[run][0] == first:  # rows of several lengths: one longer comes
+        run += 1
+    shortest = rows[:run]
+    if run < 2 or not _one_group(first, [c for _, c, _ in shortest], key_cost):
+        return _greedy(rows, key_cost)
+    last = shortest[-1][1]
+    here = GROUP_COST + run * first * (1.0 + last * key_cost)
+    return _greedy(rows[run:], key_cost, [[i for _, _, i in shortest]], last, here)
 
 
 _VECTOR_MIN = 96  # rows of one length from which numpy finds their groups faster

@@ -129,6 +129,29 @@ def test_short_steps_of_one_length_group_as_the_rule_says():
     assert 30 < splits < 270  # both kinds of step were tried
 
 
+def test_short_mixed_steps_group_as_the_rule_says():
+    """Steps of 2 to 95 rows, decodes with a few prompts or chunks among them (an admission
+    step's, chunked prefill's), contexts close (the decodes one group), spread or tied: the
+    groups are the rule's, row for row."""
+    rng = np.random.default_rng(13)
+    joined = 0
+    for case in range(400):
+        n = int(rng.integers(2, 96))
+        queries = [1] * n
+        for row in rng.choice(n, size=int(rng.integers(1, min(n, 4) + 1)), replace=False):
+            queries[row] = int(rng.choice([2, 16, 512, 3_000]))
+        top = [50, 2_000, 60_000][case % 3]
+        contexts = [q + int(c) for q, c in zip(queries, rng.integers(0, top, n), strict=True)]
+        if case % 5 == 0:  # ties
+            contexts = [contexts[0]] * (n // 2) + contexts[n // 2 :]
+        key = [KEY, 1 / 256, 1 / 16384][case % 3]
+        expected = _rule(queries, contexts, key)
+        ones = sorted(i for i in range(n) if queries[i] == 1)
+        joined += len(ones) > 1 and sorted(expected[0]) == ones
+        assert group_rows(queries, contexts, key) == expected, case
+    assert 50 < joined < 350  # both kinds of step were tried
+
+
 def test_the_counts_alone_are_those_of_the_groups_rows():
     """``count_work`` (the model clock's) counts what ``forward_work`` counts over
     ``group_rows``' groups: steps of one length that join one group or split, mixed steps,

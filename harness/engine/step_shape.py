@@ -15,6 +15,7 @@ pass over the weights, so rows share one unless padding them together costs more
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from itertools import islice, repeat
 from operator import lt, mul, sub
@@ -97,9 +98,7 @@ def _greedy_after_shortest(rows: list[tuple[int, int, int]], key_cost: float) ->
     shortest length, first, all join one group (``_one_group``), that group is made at once
     and the loop goes on from it, as ``group_rows`` does past numpy's groups."""
     first = rows[0][0]
-    run = 1
-    while rows[run][0] == first:  # rows of several lengths: one longer comes
-        run += 1
+    run = bisect_left(rows, (first + 1,))  # the rows of the shortest length, found in C
     shortest = rows[:run]
     if run < 2 or not _one_group(first, [c for _, c, _ in shortest], key_cost):
         return _greedy(rows, key_cost)
